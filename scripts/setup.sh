@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine, idempotently: a venv in .venv, CPU torch, this package with its
+# tested dependencies, and the embedded assets (SmolLM2-135M-Instruct, ShareGPT) in the user cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+# CPU torch first: installed alone it takes the local CPU wheel; otherwise deepspeed pulls a CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
+if ! .venv/bin/python -c "import swiftkv, lm_eval, deepspeed" 2>/dev/null || [ pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/python -m pip install -q -c <(echo torch==2.13.0) -e ".[dev]"
+  touch .venv/.installed
+fi
+.venv/bin/python scripts/fetch_assets.py all >/dev/null
