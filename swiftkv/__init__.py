@@ -4,4 +4,15 @@ Importing the package registers the ``llama_swiftkv`` / ``qwen2_swiftkv`` model 
 Auto classes, so ``AutoModelForCausalLM.from_pretrained(dir)`` works without ``trust_remote_code``.
 """
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .modeling_swiftkv import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
+
 __version__ = "0.1.0"
+
+for _config, _model in ((LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM), (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM)):
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+
+__all__ = ["LlamaSwiftKVConfig", "LlamaSwiftKVForCausalLM", "Qwen2SwiftKVConfig", "Qwen2SwiftKVForCausalLM"]

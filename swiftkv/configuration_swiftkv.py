@@ -1,0 +1,61 @@
+"""SwiftKV configurations: the base family's config plus three fields.
+
+``num_key_value_layers`` (l): layers 0..l-1 are normal; layers l..L-1 take their K/V from the input of layer l.
+``key_value_group_size`` (g): AcrossKV, consecutive SwiftKV layers share one K/V in groups of g.
+``swiftkv``: True runs the SwiftKV path (student); False runs the exact original model (teacher).
+
+This file travels with every checkpoint for ``trust_remote_code`` loading, so it imports only transformers (and huggingface_hub,
+which transformers itself requires).
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig, Qwen2Config
+
+
+class _SwiftKVValidation:
+    """The one validation method shared by every SwiftKV config class (fields are declared per class below,
+    because transformers turns each config class, not its mixins, into a dataclass)."""
+
+    def validate_architecture(self):
+        super().validate_architecture()
+        num_layers = self.num_hidden_layers
+        if self.num_key_value_layers is None:
+            self.num_key_value_layers = num_layers
+        l, g = self.num_key_value_layers, self.key_value_group_size
+        if not 1 <= l <= num_layers:
+            raise ValueError(f"num_key_value_layers={l} is outside [1, {num_layers}] (num_hidden_layers={num_layers})")
+        if g < 1 or (num_layers - l) % g != 0:
+            raise ValueError(
+                f"key_value_group_size={g} must divide the {num_layers - l} SwiftKV layers "
+                f"(num_hidden_layers={num_layers} - num_key_value_layers={l})"
+            )
+        for layer_type in getattr(self, "layer_types", None) or []:
+            if layer_type != "full_attention":
+                raise ValueError(f"SwiftKV supports full attention layers only, got layer type {layer_type!r}")
+
+    @property
+    def num_swiftkv_groups(self) -> int:
+        return (self.num_hidden_layers - self.num_key_value_layers) // self.key_value_group_size
+
+    def kv_cache_layer(self, layer_idx: int) -> int:
+        """Index of the cache slot (the group leader) that holds layer ``layer_idx``'s K/V."""
+        l, g = self.num_key_value_layers, self.key_value_group_size
+        if not self.swiftkv or layer_idx < l:
+            return layer_idx
+        return l + (layer_idx - l) // g * g
+
+
+@strict
+class LlamaSwiftKVConfig(_SwiftKVValidation, LlamaConfig):
+    model_type = "llama_swiftkv"
+    num_key_value_layers: int | None = None
+    key_value_group_size: int = 1
+    swiftkv: bool = True
+
+
+@strict
+class Qwen2SwiftKVConfig(_SwiftKVValidation, Qwen2Config):
+    model_type = "qwen2_swiftkv"
+    num_key_value_layers: int | None = None
+    key_value_group_size: int = 1
+    swiftkv: bool = True

@@ -1,0 +1,360 @@
+"""SwiftKV models composed from transformers' own Llama/Qwen2 classes.
+
+What differs from the base family is only this:
+
+* layers ``j >= l`` (``l = config.num_key_value_layers``) get ``q_proj_swiftkv``; each AcrossKV group leader
+  also gets ``k_proj_swiftkv``/``v_proj_swiftkv``; the model gets ``norm_swiftkv``;
+* in SwiftKV mode (``config.swiftkv``) the K/V of every later layer come from ``h = norm_swiftkv(x_l)``, where
+  ``x_l`` is the input of layer ``l``; queries use ``q_proj_swiftkv`` on the layer's own normed input.
+
+One forward serves training and inference.  Tokens run layers ``< l``; then the K/V of all later groups are
+computed from ``h`` in one fused matmul and written into the cache once per group (the leader's slot, so
+AcrossKV really stores one K/V per group); then only the tokens whose logits are wanted (``logits_to_keep``,
+which ``generate()`` sets to 1) continue through layers ``>= l``.  Without ``logits_to_keep`` every token
+continues (the training path), which gives the same numbers at the kept positions.
+
+In teacher mode (``swiftkv=False``) the model is exactly the original.  ``teacher_student_hidden`` runs the
+shared lower layers once and both upper paths, which is what distillation needs.
+
+This file travels with every checkpoint for ``trust_remote_code`` loading: it imports only torch,
+transformers and the sibling configuration file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.output_capturing import capture_outputs
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Attention,
+    Qwen2DecoderLayer,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+
+from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on one tensor of shape [batch, heads, seq, head_dim] (cos/sin: [batch, seq, head_dim])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class SwiftKVAttentionMixin:
+    """Adds the SwiftKV projections to a base attention and a forward that takes precomputed K/V."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        l, g = config.num_key_value_layers, config.key_value_group_size
+        if layer_idx < l:
+            return
+        bias = self.q_proj.bias is not None
+        self.q_proj_swiftkv = nn.Linear(self.q_proj.in_features, self.q_proj.out_features, bias=bias)
+        if (layer_idx - l) % g == 0:
+            self.k_proj_swiftkv = nn.Linear(self.k_proj.in_features, self.k_proj.out_features, bias=bias)
+            self.v_proj_swiftkv = nn.Linear(self.v_proj.in_features, self.v_proj.out_features, bias=bias)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, swiftkv_kv=None, **kwargs):
+        if swiftkv_kv is None:
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        query = _apply_rope(query, *position_embeddings)
+        key, value = swiftkv_kv
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class SwiftKVDecoderLayerMixin:
+    """A base decoder layer whose attention is the family's SwiftKV attention (the forward is unchanged: it
+    passes ``swiftkv_kv`` through its keyword arguments to the attention)."""
+
+    attention_class: type[nn.Module]
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = self.attention_class(config, layer_idx)
+
+
+@dataclass
+class _Prepared:
+    """Per-forward state shared by the lower and upper layers."""
+
+    hidden_states: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    position_ids: torch.Tensor
+    cache: Cache | None
+
+
+class SwiftKVModelMixin:
+    """The base family's model with ``norm_swiftkv`` and the skip-ahead forward."""
+
+    decoder_layer_class: type[nn.Module]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = nn.ModuleList(
+            [self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm_swiftkv = type(self.norm)(config.hidden_size, eps=config.rms_norm_eps)
+        self._fused_kv = None
+        self.post_init()
+
+    # -- the pieces ------------------------------------------------------------------------------------
+    @property
+    def kv_leaders(self) -> list[nn.Module]:
+        """Attention modules that own a SwiftKV K/V projection (one per AcrossKV group)."""
+        l, g = self.config.num_key_value_layers, self.config.key_value_group_size
+        return [self.layers[j].self_attn for j in range(l, self.config.num_hidden_layers, g)]
+
+    def _fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All groups' K and V weights stacked into one matrix, rebuilt only when a weight changed."""
+        params = [p for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)
+                  for p in proj.parameters()]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._fused_kv is None or self._fused_kv[0] != key:
+            projs = [proj for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)]
+            weight = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+            self._fused_kv = (key, weight, bias)
+        return self._fused_kv[1], self._fused_kv[2]
+
+    def swiftkv_key_values(self, x_l: torch.Tensor, prepared: _Prepared) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V for every AcrossKV group from the input of layer l, written into the cache when there is one.
+
+        Returns one (key, value) pair per group, each [batch, kv_heads, kv_len, head_dim] with RoPE applied.
+        """
+        num_groups = self.config.num_swiftkv_groups
+        if num_groups == 0:
+            return []
+        h = self.norm_swiftkv(x_l)
+        if torch.is_grad_enabled():  # training: per-group projections keep ZeRO-3 partitioning simple
+            kv = torch.cat([proj(h) for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)], -1)
+        else:  # inference: one matmul for all later layers
+            kv = nn.functional.linear(h, *self._fused_kv_projection())
+        batch, seq = h.shape[:2]
+        head_dim = self.layers[-1].self_attn.head_dim
+        kv = kv.view(batch, seq, num_groups, 2, -1, head_dim)
+        keys = kv[:, :, :, 0].permute(0, 2, 3, 1, 4).flatten(1, 2)  # [batch, groups*kv_heads, seq, head_dim]
+        keys = _apply_rope(keys, *prepared.position_embeddings).unflatten(1, (num_groups, -1))
+        values = kv[:, :, :, 1].permute(0, 2, 3, 1, 4)
+        out = []
+        for group, attn in enumerate(self.kv_leaders):
+            key, value = keys[:, group], values[:, group]
+            if prepared.cache is not None:
+                key, value = prepared.cache.update(key, value, attn.layer_idx)
+            out.append((key, value))
+        return out
+
+    def _prepare(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows_kept: int):
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0) + past_seen
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            # a skipped-ahead block of several query rows cannot use sdpa's top-left-aligned is_causal
+            allow_is_causal_skip=not 1 < rows_kept < inputs_embeds.shape[1],
+        )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
+        return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache)
+
+    def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, **kwargs):
+        """Run ``layers`` (a slice of self.layers); ``kv`` holds the SwiftKV K/V per group when given."""
+        g, first = self.config.key_value_group_size, self.config.num_key_value_layers
+        for layer in layers:
+            extra = {} if kv is None else {"swiftkv_kv": kv[(layer.self_attn.layer_idx - first) // g]}
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=prepared.attention_mask,
+                position_embeddings=prepared.position_embeddings,
+                position_ids=prepared.position_ids,
+                cache=None if kv is not None else prepared.cache,
+                **extra,
+                **kwargs,
+            )
+        return hidden_states
+
+    @staticmethod
+    def _keep_last_rows(prepared: _Prepared, rows: int) -> _Prepared:
+        mask = prepared.attention_mask
+        cos, sin = prepared.position_embeddings
+        return _Prepared(
+            prepared.hidden_states[:, -rows:],
+            mask[..., -rows:, :] if isinstance(mask, torch.Tensor) else mask,
+            (cos[:, -rows:], sin[:, -rows:]),
+            prepared.position_ids[..., -rows:],
+            prepared.cache,
+        )
+
+    # -- entry points ------------------------------------------------------------------------------------
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        swiftkv_logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """As the base model's forward; with SwiftKV on and ``swiftkv_logits_to_keep = k > 0``, only the last k
+        rows go through layers >= l and ``last_hidden_state`` holds just those rows."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        keep = swiftkv_logits_to_keep
+        rows = min(keep, seq_len) if isinstance(keep, int) and keep > 0 and self.config.swiftkv else seq_len
+        prepared = self._prepare(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows)
+        l = self.config.num_key_value_layers
+        hidden = self._run(self.layers[:l], prepared.hidden_states, prepared, **kwargs)
+        if self.config.swiftkv:
+            kv = self.swiftkv_key_values(hidden, prepared)
+            if rows < seq_len:
+                prepared = self._keep_last_rows(prepared, rows)
+                hidden = hidden[:, -rows:]
+            hidden = self._run(self.layers[l:], hidden, prepared, kv, **kwargs)
+        else:
+            hidden = self._run(self.layers[l:], hidden, prepared, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=prepared.cache if use_cache else None)
+
+    def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None):
+        """Final normed hidden states of the teacher (original, no grad) and the student (SwiftKV), plus both
+        paths' input to the last layer, with layers < l computed once for both."""
+        prepared = self._prepare(input_ids, attention_mask, position_ids, None, None, False, input_ids.shape[1])
+        l = self.config.num_key_value_layers
+        x_l = self._run(self.layers[:l], prepared.hidden_states, prepared)
+        with torch.no_grad():
+            t_last_in = self._run(self.layers[l:-1], x_l, prepared)
+            teacher = self.norm(self._run(self.layers[-1:], t_last_in, prepared))
+        kv = self.swiftkv_key_values(x_l, prepared)
+        s_last_in = self._run(self.layers[l:-1], x_l, prepared, kv)
+        student = self.norm(self._run(self.layers[-1:], s_last_in, prepared, kv))
+        return teacher, student, t_last_in, s_last_in
+
+
+class SwiftKVForCausalLMMixin:
+    """The base family's causal LM on the SwiftKV model, plus the small interface distillation uses."""
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            swiftkv_logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+    def set_mode(self, mode: str) -> None:
+        """``"teacher"`` runs the original model, ``"student"`` the SwiftKV path (same weights)."""
+        if mode not in ("teacher", "student"):
+            raise ValueError(f"mode must be 'teacher' or 'student', got {mode!r}")
+        self.config.swiftkv = mode == "student"
+
+    def swiftkv_parameter_names(self) -> list[str]:
+        """Names of the parameters SwiftKV distillation trains: norm_swiftkv and the *_proj_swiftkv."""
+        return [n for n, _ in self.named_parameters() if "norm_swiftkv" in n or "_proj_swiftkv" in n]
+
+
+# -- the family table: the base classes each family composes -------------------------------------------
+class LlamaSwiftKVAttention(SwiftKVAttentionMixin, LlamaAttention):
+    pass
+
+
+class LlamaSwiftKVDecoderLayer(SwiftKVDecoderLayerMixin, LlamaDecoderLayer):
+    attention_class = LlamaSwiftKVAttention
+
+
+class LlamaSwiftKVModel(SwiftKVModelMixin, LlamaModel):
+    config_class = LlamaSwiftKVConfig
+    decoder_layer_class = LlamaSwiftKVDecoderLayer
+    _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
+
+
+class LlamaSwiftKVForCausalLM(SwiftKVForCausalLMMixin, LlamaForCausalLM):
+    config_class = LlamaSwiftKVConfig
+    _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
+
+    def __init__(self, config: LlamaSwiftKVConfig):
+        super().__init__(config)
+        self.model = LlamaSwiftKVModel(config)
+        self.post_init()
+
+
+class Qwen2SwiftKVAttention(SwiftKVAttentionMixin, Qwen2Attention):
+    pass
+
+
+class Qwen2SwiftKVDecoderLayer(SwiftKVDecoderLayerMixin, Qwen2DecoderLayer):
+    attention_class = Qwen2SwiftKVAttention
+
+
+class Qwen2SwiftKVModel(SwiftKVModelMixin, Qwen2Model):
+    config_class = Qwen2SwiftKVConfig
+    decoder_layer_class = Qwen2SwiftKVDecoderLayer
+    _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
+
+
+class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen2ForCausalLM):
+    config_class = Qwen2SwiftKVConfig
+    _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
+
+    def __init__(self, config: Qwen2SwiftKVConfig):
+        super().__init__(config)
+        self.model = Qwen2SwiftKVModel(config)
+        self.post_init()
