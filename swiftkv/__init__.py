@@ -11,7 +11,10 @@ from .modeling_swiftkv import LlamaSwiftKVForCausalLM, Qwen2SwiftKVForCausalLM
 
 __version__ = "0.1.0"
 
-for _config, _model in ((LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM), (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM)):
+for _config, _model in (
+    (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
+    (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
+):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModelForCausalLM.register(_config, _model, exist_ok=True)
 

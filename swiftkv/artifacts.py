@@ -33,7 +33,9 @@ def check_destination(dst: str | os.PathLike, force: bool = False) -> Path:
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"destination {dst} exists and is not a directory; choose another path")
     if dst.is_dir() and any(dst.iterdir()) and not force:
-        raise FileExistsError(f"destination {dst} is not empty; to resolve, pass --force or choose another path")
+        raise FileExistsError(
+            f"destination {dst} is not empty; to resolve, pass --force or choose another path"
+        )
     return dst
 
 
@@ -70,7 +72,9 @@ def write_provenance(out_dir: str | os.PathLike, stage: str, **fields: Any) -> N
     """Record which stage, package version and options produced the artifact in ``out_dir``."""
     from . import __version__
 
-    write_json_atomic(Path(out_dir) / PROVENANCE_FILE, {"stage": stage, "swiftkv_version": __version__, **fields})
+    write_json_atomic(
+        Path(out_dir) / PROVENANCE_FILE, {"stage": stage, "swiftkv_version": __version__, **fields}
+    )
 
 
 def read_provenance(model_dir: str | os.PathLike) -> dict[str, Any]:

@@ -23,7 +23,9 @@ class _SwiftKVValidation:
             self.num_key_value_layers = num_layers
         l, g = self.num_key_value_layers, self.key_value_group_size
         if not 1 <= l <= num_layers:
-            raise ValueError(f"num_key_value_layers={l} is outside [1, {num_layers}] (num_hidden_layers={num_layers})")
+            raise ValueError(
+                f"num_key_value_layers={l} is outside [1, {num_layers}] (num_hidden_layers={num_layers})"
+            )
         if g < 1 or (num_layers - l) % g != 0:
             raise ValueError(
                 f"key_value_group_size={g} must divide the {num_layers - l} SwiftKV layers "
@@ -31,7 +33,9 @@ class _SwiftKVValidation:
             )
         for layer_type in getattr(self, "layer_types", None) or []:
             if layer_type != "full_attention":
-                raise ValueError(f"SwiftKV supports full attention layers only, got layer type {layer_type!r}")
+                raise ValueError(
+                    f"SwiftKV supports full attention layers only, got layer type {layer_type!r}"
+                )
 
     @property
     def num_swiftkv_groups(self) -> int:

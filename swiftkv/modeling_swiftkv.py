@@ -30,7 +30,6 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -45,6 +44,7 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2ForCausalLM,
     Qwen2Model,
 )
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
 
@@ -69,7 +69,9 @@ class SwiftKVAttentionMixin:
             self.k_proj_swiftkv = nn.Linear(self.k_proj.in_features, self.k_proj.out_features, bias=bias)
             self.v_proj_swiftkv = nn.Linear(self.v_proj.in_features, self.v_proj.out_features, bias=bias)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, swiftkv_kv=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask, cache=None, swiftkv_kv=None, **kwargs
+    ):
         if swiftkv_kv is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
@@ -138,8 +140,12 @@ class SwiftKVModelMixin:
 
     def _fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All groups' K and V weights stacked into one matrix, rebuilt only when a weight changed."""
-        params = [p for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)
-                  for p in proj.parameters()]
+        params = [
+            p
+            for attn in self.kv_leaders
+            for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)
+            for p in proj.parameters()
+        ]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if self._fused_kv is None or self._fused_kv[0] != key:
             projs = [proj for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)]
@@ -148,7 +154,9 @@ class SwiftKVModelMixin:
             self._fused_kv = (key, weight, bias)
         return self._fused_kv[1], self._fused_kv[2]
 
-    def swiftkv_key_values(self, x_l: torch.Tensor, prepared: _Prepared) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def swiftkv_key_values(
+        self, x_l: torch.Tensor, prepared: _Prepared
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V for every AcrossKV group from the input of layer l, written into the cache when there is one.
 
         Returns one (key, value) pair per group, each [batch, kv_heads, kv_len, head_dim] with RoPE applied.
@@ -158,7 +166,10 @@ class SwiftKVModelMixin:
             return []
         h = self.norm_swiftkv(x_l)
         if torch.is_grad_enabled():  # training: per-group projections keep ZeRO-3 partitioning simple
-            kv = torch.cat([proj(h) for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)], -1)
+            kv = torch.cat(
+                [proj(h) for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)],
+                -1,
+            )
         else:  # inference: one matmul for all later layers
             kv = nn.functional.linear(h, *self._fused_kv_projection())
         batch, seq = h.shape[:2]
@@ -175,7 +186,9 @@ class SwiftKVModelMixin:
             out.append((key, value))
         return out
 
-    def _prepare(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows_kept: int):
+    def _prepare(
+        self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows_kept: int
+    ):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -184,7 +197,9 @@ class SwiftKVModelMixin:
             cache = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0) + past_seen
+            position_ids = (
+                torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0) + past_seen
+            )
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
@@ -244,7 +259,9 @@ class SwiftKVModelMixin:
         seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         keep = swiftkv_logits_to_keep
         rows = min(keep, seq_len) if isinstance(keep, int) and keep > 0 and self.config.swiftkv else seq_len
-        prepared = self._prepare(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows)
+        prepared = self._prepare(
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows
+        )
         l = self.config.num_key_value_layers
         hidden = self._run(self.layers[:l], prepared.hidden_states, prepared, **kwargs)
         if self.config.swiftkv:
@@ -255,12 +272,16 @@ class SwiftKVModelMixin:
             hidden = self._run(self.layers[l:], hidden, prepared, kv, **kwargs)
         else:
             hidden = self._run(self.layers[l:], hidden, prepared, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=prepared.cache if use_cache else None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(hidden), cache=prepared.cache if use_cache else None
+        )
 
     def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None):
         """Final normed hidden states of the teacher (original, no grad) and the student (SwiftKV), plus both
         paths' input to the last layer, with layers < l computed once for both."""
-        prepared = self._prepare(input_ids, attention_mask, position_ids, None, None, False, input_ids.shape[1])
+        prepared = self._prepare(
+            input_ids, attention_mask, position_ids, None, None, False, input_ids.shape[1]
+        )
         l = self.config.num_key_value_layers
         x_l = self._run(self.layers[:l], prepared.hidden_states, prepared)
         with torch.no_grad():
