@@ -1,0 +1,315 @@
+"""1-, 2- (Yaroslavskiy) and 3-pivot (Kushagra et al.) quicksort as argsorts, counted or compiled.
+
+Each algorithm is written once, inside :func:`_build`, and instantiated twice: as plain Python (exact
+counts of comparisons and swaps, optionally through a simulated LRU cache) and, when the optional
+``numba`` is installed, as compiled code for timing and for the scheduler's per-iteration ordering.
+Every algorithm sorts positions by the total order (key, position), so ties are broken by arrival
+order and the result equals ``np.argsort(keys, kind="stable")``.  Pivots are sampled with a small
+xorshift generator kept in the stats array, so both instantiations do the same work for a seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PIVOTS = (1, 2, 3)
+_MASK = 0xFFFFFFFF
+
+
+def _build(jit: Callable) -> dict[int, Callable]:
+    """Define the three sorts with ``jit`` applied to every function (identity = pure Python)."""
+
+    @jit
+    def lt(keys, a, b, stats):  # element ids a, b; one counted key comparison
+        stats[0] += 1
+        return keys[a] < keys[b] or (keys[a] == keys[b] and a < b)
+
+    @jit
+    def swap(idx, i, j, stats):
+        stats[1] += 1
+        idx[i], idx[j] = idx[j], idx[i]
+
+    @jit
+    def pick(idx, slot, lo, hi, stats):  # move a uniform random element of idx[lo..hi] to slot (uncounted)
+        x = stats[2]
+        x ^= (x << 13) & _MASK
+        x ^= x >> 17
+        x ^= (x << 5) & _MASK
+        stats[2] = x
+        j = lo + x % (hi - lo + 1)
+        idx[slot], idx[j] = idx[j], idx[slot]
+
+    @jit
+    def insertion(keys, idx, lo, hi, stats):
+        for i in range(lo + 1, hi + 1):
+            x = idx[i]
+            j = i - 1
+            while j >= lo and lt(keys, x, idx[j], stats):
+                idx[j + 1] = idx[j]
+                stats[1] += 1
+                j -= 1
+            idx[j + 1] = x
+
+    @jit
+    def sort1(keys, idx, cutoff, stats):
+        stack = [(0, len(idx) - 1)]
+        while stack:
+            lo, hi = stack.pop()
+            if hi - lo + 1 <= cutoff:
+                insertion(keys, idx, lo, hi, stats)
+                continue
+            pick(idx, lo, lo, hi, stats)
+            p = idx[lo]
+            i, j = lo + 1, hi
+            while True:  # Hoare-style crossing scans
+                while i <= j and lt(keys, idx[i], p, stats):
+                    i += 1
+                while i <= j and lt(keys, p, idx[j], stats):
+                    j -= 1
+                if i >= j:
+                    break
+                swap(idx, i, j, stats)
+                i += 1
+                j -= 1
+            swap(idx, lo, j, stats)
+            stack.append((lo, j - 1))
+            stack.append((j + 1, hi))
+
+    @jit
+    def sort2(keys, idx, cutoff, stats):  # Yaroslavskiy's dual-pivot partition (Java 7)
+        stack = [(0, len(idx) - 1)]
+        while stack:
+            lo, hi = stack.pop()
+            if hi - lo + 1 <= cutoff:
+                insertion(keys, idx, lo, hi, stats)
+                continue
+            pick(idx, lo, lo, hi, stats)
+            pick(idx, hi, lo + 1, hi, stats)
+            if lt(keys, idx[hi], idx[lo], stats):
+                swap(idx, lo, hi, stats)
+            p, q = idx[lo], idx[hi]
+            l, k, g = lo + 1, lo + 1, hi - 1
+            while k <= g:
+                if lt(keys, idx[k], p, stats):
+                    swap(idx, k, l, stats)
+                    l += 1
+                elif not lt(keys, idx[k], q, stats):
+                    while k < g and lt(keys, q, idx[g], stats):
+                        g -= 1
+                    swap(idx, k, g, stats)
+                    g -= 1
+                    if lt(keys, idx[k], p, stats):
+                        swap(idx, k, l, stats)
+                        l += 1
+                k += 1
+            l -= 1
+            g += 1
+            swap(idx, lo, l, stats)
+            swap(idx, hi, g, stats)
+            stack.append((lo, l - 1))
+            stack.append((l + 1, g - 1))
+            stack.append((g + 1, hi))
+
+    @jit
+    def sort3(keys, idx, cutoff, stats):  # Kushagra, Lopez-Ortiz, Munro, Qiao: four pointers a <= b, c <= d
+        stack = [(0, len(idx) - 1)]
+        while stack:
+            lo, hi = stack.pop()
+            if hi - lo + 1 <= max(cutoff, 3):
+                insertion(keys, idx, lo, hi, stats)
+                continue
+            pick(idx, lo, lo, hi, stats)
+            pick(idx, lo + 1, lo + 1, hi, stats)
+            pick(idx, hi, lo + 2, hi, stats)
+            if lt(keys, idx[lo + 1], idx[lo], stats):
+                swap(idx, lo, lo + 1, stats)
+            if lt(keys, idx[hi], idx[lo + 1], stats):
+                swap(idx, lo + 1, hi, stats)
+                if lt(keys, idx[lo + 1], idx[lo], stats):
+                    swap(idx, lo, lo + 1, stats)
+            p, q, r = idx[lo], idx[lo + 1], idx[hi]
+            a, b, c, d = lo + 2, lo + 2, hi - 1, hi - 1
+            while b <= c:
+                while b <= c and lt(keys, idx[b], q, stats):
+                    if lt(keys, idx[b], p, stats):
+                        swap(idx, a, b, stats)
+                        a += 1
+                    b += 1
+                while b <= c and lt(keys, q, idx[c], stats):
+                    if lt(keys, r, idx[c], stats):
+                        swap(idx, c, d, stats)
+                        d -= 1
+                    c -= 1
+                if b <= c:
+                    if lt(keys, r, idx[b], stats):
+                        if lt(keys, idx[c], p, stats):
+                            swap(idx, b, a, stats)
+                            swap(idx, a, c, stats)
+                            a += 1
+                        else:
+                            swap(idx, b, c, stats)
+                        swap(idx, c, d, stats)
+                        d -= 1
+                    else:
+                        if lt(keys, idx[c], p, stats):
+                            swap(idx, b, a, stats)
+                            swap(idx, a, c, stats)
+                            a += 1
+                        else:
+                            swap(idx, b, c, stats)
+                    b += 1
+                    c -= 1
+            a -= 1
+            b -= 1
+            d += 1
+            swap(idx, lo + 1, a, stats)
+            swap(idx, a, b, stats)
+            a -= 1
+            swap(idx, lo, a, stats)
+            swap(idx, hi, d, stats)
+            stack.append((lo, a - 1))
+            stack.append((a + 1, b - 1))
+            stack.append((b + 1, d - 1))
+            stack.append((d + 1, hi))
+
+    return {1: sort1, 2: sort2, 3: sort3}
+
+
+_PURE = _build(lambda f: f)
+
+
+@functools.cache
+def _compiled() -> dict[int, Callable] | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return _build(numba.njit(cache=False))
+
+
+def compiled_available() -> bool:
+    """Whether the optional ``numba`` path is installed."""
+    return _compiled() is not None
+
+
+@dataclass
+class SortStats:
+    """Counted work of one pure-Python sort; ``cache_misses`` only when a cache was simulated."""
+
+    comparisons: int
+    swaps: int
+    cache_misses: int | None = None
+
+
+class LRUTrace(list):
+    """A list that feeds every element access through an LRU cache of ``blocks`` blocks of ``block`` items."""
+
+    def __init__(self, items: Sequence[int], block: int, blocks: int):
+        super().__init__(items)
+        self.block, self.blocks, self.misses = block, blocks, 0
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def _touch(self, i: int) -> None:
+        blk = i // self.block
+        if blk in self._lru:
+            self._lru.move_to_end(blk)
+            return
+        self.misses += 1
+        self._lru[blk] = None
+        if len(self._lru) > self.blocks:
+            self._lru.popitem(last=False)
+
+    def __getitem__(self, i):
+        self._touch(i)
+        return super().__getitem__(i)
+
+    def __setitem__(self, i, v):
+        self._touch(i)
+        super().__setitem__(i, v)
+
+
+def _check(pivots: int, cutoff: int) -> None:
+    if pivots not in PIVOTS:
+        raise ValueError(f"pivots={pivots} is not supported; to resolve, choose one of {PIVOTS}")
+    if cutoff < 1:
+        raise ValueError(f"cutoff={cutoff} must be >= 1; to resolve, pass e.g. 16")
+
+
+def argsort(
+    keys: Sequence[float] | np.ndarray, pivots: int = 3, cutoff: int = 16, seed: int = 1
+) -> np.ndarray:
+    """Positions that sort ``keys`` ascending, ties by position; compiled when numba is installed."""
+    _check(pivots, cutoff)
+    keys = np.ascontiguousarray(keys, dtype=np.float64)
+    stats = np.array([0, 0, seed & _MASK or 1], dtype=np.int64)
+    compiled = _compiled()
+    if compiled is None:
+        idx = list(range(len(keys)))
+        _PURE[pivots](keys.tolist(), idx, cutoff, [0, 0, int(stats[2])])
+        return np.asarray(idx, dtype=np.int64)
+    idx = np.arange(len(keys), dtype=np.int64)
+    compiled[pivots](keys, idx, cutoff, stats)
+    return idx
+
+
+def count_costs(
+    keys: Sequence[float] | np.ndarray,
+    pivots: int = 3,
+    cutoff: int = 16,
+    seed: int = 1,
+    cache: tuple[int, int] | None = None,
+) -> tuple[np.ndarray, SortStats]:
+    """Pure-Python argsort with exact counts; ``cache=(block, blocks)`` also simulates an LRU cache."""
+    _check(pivots, cutoff)
+    keys = np.asarray(keys, dtype=np.float64).tolist()
+    idx = LRUTrace(range(len(keys)), *cache) if cache else list(range(len(keys)))
+    stats = [0, 0, seed & _MASK or 1]
+    _PURE[pivots](keys, idx, cutoff, stats)
+    misses = idx.misses if cache else None
+    return np.asarray(idx, dtype=np.int64), SortStats(stats[0], stats[1], misses)
+
+
+# Expected partitioning comparisons per element and pivot-sorting comparisons (Wild & Nebel; Kushagra et al.)
+_PARTITION = {1: (1.0, 0.0), 2: (19 / 12, 1.0), 3: (2.0, 3.0)}
+# Leading constants per n ln n from the literature: comparisons, swaps, cache misses (x (n+1)/B, ln(n/M))
+LITERATURE = {1: (2.0, 1 / 3, 2.0), 2: (1.9, 0.6, 1.6), 3: (24 / 13, 8 / 13, 18 / 13)}
+
+
+def expected_comparisons(n: int, pivots: int = 3, cutoff: int = 16) -> float:
+    """Expected comparisons on a random permutation from the cost recurrence (random pivots, insertion cutoff).
+
+    C_m = P_m + (k+1) * sum_j Pr[a part has j elements] C_j, with Pr = binom(m-1-j, k-1) / binom(m, k),
+    P_m = alpha_k (m - k) + sorting the k pivots, and C_m = m(m+3)/4 - H_m for m <= cutoff (insertion sort).
+    The sum is kept as prefix sums of C_j, j C_j, j^2 C_j, so the whole table costs O(n).
+    """
+    _check(pivots, cutoff)
+    k = pivots
+    cut = max(cutoff, 3) if k == 3 else cutoff
+    alpha, sort_k = _PARTITION[k]
+    c = [0.0] * (n + 1)
+    s0 = s1 = s2 = 0.0  # prefix sums over j < m - k + 1 of C_j, j C_j, j^2 C_j
+    harmonic = 0.0
+    added = 0
+    for m in range(1, n + 1):
+        harmonic += 1.0 / m
+        if m <= cut:
+            c[m] = m * (m + 3) / 4 - harmonic
+            continue
+        while added <= m - k:  # parts have at most m - k elements
+            s0, s1, s2 = s0 + c[added], s1 + added * c[added], s2 + added * added * c[added]
+            added += 1
+        t = m - 1  # binom(t - j, k - 1) as a polynomial in j
+        if k == 1:
+            weighted = s0
+        elif k == 2:
+            weighted = t * s0 - s1
+        else:
+            weighted = ((t * t - t) * s0 - (2 * t - 1) * s1 + s2) / 2
+        c[m] = alpha * (m - k) + sort_k + (k + 1) * weighted / math.comb(m, k)
+    return c[n]
