@@ -1,0 +1,90 @@
+"""Baseline policies with fixed GPU requests: a Gavel-like max-sum-throughput ILP and strict FIFO.
+
+Both keep each job at the GPU count the user requested and only choose the GPU type (and, for the
+Gavel-like policy, who runs this round).  Gavel's max-sum-throughput objective is Σ normalized throughput,
+each job's throughput on a type divided by its best type, so every job counts the same; a tiny bonus for
+the current type avoids needless migrations and an even tinier one for age breaks ties toward older
+jobs.  FIFO starts jobs in arrival order on the fastest type with room, never preempts, and stops at the
+first job that fits nowhere (head-of-line blocking, as in a plain queue).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .configs import Config
+from .spec import Cluster
+from .state import JobState
+
+STAY_BONUS, AGE_BONUS = 1e-3, 1e-6
+
+
+def _requested_options(s: JobState, cluster: Cluster) -> dict[Config, float]:
+    """Configurations with the job's requested GPU count, with estimated throughput."""
+    out = {}
+    for c in s.fits(cluster):
+        thr = s.model.estimate(c) if c.gpus == s.requested_gpus else None
+        if thr:
+            out[c] = thr
+    return out
+
+
+def gavel_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | None]:
+    """Max-sum-normalized-throughput over GPU types, requests fixed, solved with ``scipy.optimize.milp``."""
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import csr_array
+
+    types = [t.name for t in cluster.gpu_types]
+    var_job, var_cfg, value = [], [], []
+    oldest = sorted(jobs, key=lambda s: s.arrival_s)
+    rank = {s.name: len(jobs) - k for k, s in enumerate(oldest)}
+    for i, s in enumerate(jobs):
+        opts = _requested_options(s, cluster)
+        if not opts:
+            continue
+        best = max(opts.values())
+        for c, thr in opts.items():
+            var_job.append(i), var_cfg.append(c)
+            value.append(thr / best + STAY_BONUS * (c == s.current) + AGE_BONUS * rank[s.name])
+    out: dict[str, Config | None] = {s.name: None for s in jobs}
+    if not var_job:
+        return out
+    n = len(var_job)
+    vj = np.asarray(var_job)
+    a_job = csr_array((np.ones(n), (vj, np.arange(n))), shape=(len(jobs), n))
+    gpus = np.array([c.gpus for c in var_cfg], float)
+    tidx = np.array([types.index(c.gpu_type) for c in var_cfg])
+    a_cap = csr_array((gpus, (tidx, np.arange(n))), shape=(len(types), n))
+    caps = np.array([t.capacity for t in cluster.gpu_types], float)
+    res = milp(
+        -np.asarray(value),
+        integrality=np.ones(n),
+        bounds=(0, 1),
+        constraints=[LinearConstraint(a_job, 0, 1), LinearConstraint(a_cap, 0, caps)],
+    )
+    for k in np.flatnonzero(res.x > 0.5):
+        out[jobs[vj[k]].name] = var_cfg[k]
+    return out
+
+
+def fifo_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | None]:
+    """Strict FIFO, non-preemptive: running jobs keep their configuration; the queue starts in order."""
+    free = {t.name: t.capacity for t in cluster.gpu_types}
+    out: dict[str, Config | None] = {}
+    for s in jobs:
+        if s.current is not None:
+            out[s.name] = s.current
+            free[s.current.gpu_type] -= s.current.gpus
+    blocked = False
+    for s in sorted(jobs, key=lambda s: (s.arrival_s, s.name)):
+        if s.current is not None:
+            continue
+        opts = {c: thr for c, thr in _requested_options(s, cluster).items() if c.gpus <= free[c.gpu_type]}
+        if blocked or not opts:
+            blocked = True
+            out[s.name] = None
+            continue
+        c = max(opts, key=opts.get)
+        out[s.name] = c
+        free[c.gpu_type] -= c.gpus
+    return out

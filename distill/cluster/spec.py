@@ -1,0 +1,198 @@
+"""Input files of the cluster planner: the cluster (GPU types and nodes) and the jobs to place.
+
+Both are pydantic models with ``extra="forbid"``; loaders turn every problem into one ``ValueError`` line
+that names the file and the fix, before any planning starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class GpuType(BaseModel):
+    """One kind of accelerator and how many nodes of it the cluster has."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Short identifier used in job profiles, traces and plans (e.g. ``a100``)."""
+    nodes: int = Field(ge=1)
+    """Number of nodes of this type."""
+    gpus_per_node: int = Field(ge=1)
+    """GPUs on each node; a power of two, so that the placer can always pack what the ILP allocates."""
+    memory_gb: float = Field(gt=0)
+    """Memory of one GPU, used to decide which configurations a job fits in and its ZeRO stage."""
+    tflops: float = Field(default=1.0, gt=0)
+    """Relative compute speed; only the synthetic trace generator reads it."""
+    hosts: list[str] | None = None
+    """Host names of the nodes, for launch configs; default ``<name>-<i>``."""
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(
+                f"gpus_per_node={v} is not a power of two; to resolve, list the usable GPUs (1, 2, 4, 8, ...)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _hosts_match(self) -> GpuType:
+        if self.hosts is not None and len(self.hosts) != self.nodes:
+            raise ValueError(
+                f"{len(self.hosts)} hosts for {self.nodes} nodes; to resolve, list one host per node"
+            )
+        return self
+
+    @property
+    def capacity(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def host(self, node: int) -> str:
+        return self.hosts[node] if self.hosts else f"{self.name}-{node}"
+
+
+class Cluster(BaseModel):
+    """``cluster.yaml``: the GPU types of a (possibly heterogeneous) cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_types: list[GpuType] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Cluster:
+        names = [t.name for t in self.gpu_types]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate GPU type names {names}; to resolve, give each type its own name")
+        return self
+
+    def type(self, name: str) -> GpuType:
+        for t in self.gpu_types:
+            if t.name == name:
+                return t
+        raise KeyError(f"unknown GPU type {name!r}; valid: {[t.name for t in self.gpu_types]}")
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(t.capacity for t in self.gpu_types)
+
+
+class Observation(BaseModel):
+    """A measured throughput of a job on ``gpus`` GPUs of one type (a profile run or a running job)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str
+    gpus: int = Field(ge=1)
+    throughput: float = Field(gt=0)
+    """Samples per second for the whole job."""
+
+
+class Placement(BaseModel):
+    """Where a job runs now: its GPU type, and GPU indices per node index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str
+    gpus: dict[int, list[int]]
+    """node index -> local GPU indices on that node."""
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(g) for g in self.gpus.values())
+
+
+class Job(BaseModel):
+    """One distillation job (a recipe) as the planner sees it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    recipe: str = ""
+    """Path of the distillation recipe this job runs (passed to ``accelerate launch -m distill``)."""
+    student_params_b: float = Field(default=0.135, gt=0)
+    """Trainable (student) parameters, billions: sets memory fit and ZeRO stage."""
+    teacher_params_b: float = Field(default=0.0, ge=0)
+    """Frozen teacher parameters, billions (0 when teacher and student share weights, as in SwiftKV)."""
+    activation_gb: float = Field(default=4.0, ge=0)
+    """Per-GPU memory reserved for activations and workspace."""
+    max_gpus: int = Field(default=64, ge=1)
+    """Largest useful number of GPUs (global batch / smallest micro-batch)."""
+    preemptible: bool = True
+    """False: a running job keeps its current allocation."""
+    restart_s: float = Field(default=60.0, ge=0)
+    """Seconds lost when the job is restarted on another allocation (checkpoint-restart)."""
+    age_s: float = Field(default=0.0, ge=0)
+    """Seconds since the job was submitted (restart factor)."""
+    restarts: int = Field(default=0, ge=0)
+    """Restarts so far (restart factor)."""
+    current: Placement | None = None
+    """Where the job runs now, if it runs."""
+    observed: list[Observation] = Field(default_factory=list)
+    """Measured throughputs: 1-GPU profiles per type plus any larger runs."""
+
+
+class JobList(BaseModel):
+    """``jobs.yaml``: the jobs to place."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: list[Job] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> JobList:
+        names = [j.name for j in self.jobs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate job names {dup}; to resolve, give each job its own name")
+        return self
+
+
+def _one_line(path: Path | str, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<file>"
+        parts.append(f"{loc}: {e['msg']}")
+    return f"{path}: " + "; ".join(parts)
+
+
+def _load(path: Path | str, model: type[BaseModel], what: str) -> BaseModel:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; to resolve, pass the path of a {what} YAML")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(
+            f"{path}: not valid YAML ({str(e).splitlines()[0]}); to resolve, fix the syntax"
+        ) from e
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: empty or not a mapping; to resolve, see recipes/cluster/ for a {what} example"
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(_one_line(path, e)) from None
+
+
+def load_cluster(path: Path | str) -> Cluster:
+    """Read and validate ``cluster.yaml``."""
+    return _load(path, Cluster, "cluster")  # type: ignore[return-value]
+
+
+def load_jobs(path: Path | str, cluster: Cluster) -> JobList:
+    """Read ``jobs.yaml`` and check that every GPU type it names exists in ``cluster``."""
+    jobs: JobList = _load(path, JobList, "jobs")  # type: ignore[assignment]
+    valid = {t.name for t in cluster.gpu_types}
+    for job in jobs.jobs:
+        named = {o.gpu_type for o in job.observed} | ({job.current.gpu_type} if job.current else set())
+        if named - valid:
+            raise ValueError(
+                f"{path}: job {job.name!r} names GPU types {sorted(named - valid)} not in the cluster "
+                f"{sorted(valid)}; to resolve, use the cluster's type names"
+            )
+    return jobs
