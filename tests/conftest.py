@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random base models (built in the test, no download) and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+
+
+def tiny_base(family: str = "llama", seed: int = 0, **overrides):
+    """A small random Llama or Qwen2 causal LM in eval mode."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
+    # random biases, so the Qwen2 tests see them (transformers initializes biases to zero)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny-llama"
+    tiny_base("llama").save_pretrained(path)
+    return path
+
+
+def smollm2_dir() -> Path:
+    from swiftkv.artifacts import cache_dir
+
+    return cache_dir() / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    path = smollm2_dir()
+    if not (path / "config.json").is_file():
+        pytest.skip(f"embedded SmolLM2 not found at {path}; run `python scripts/fetch_assets.py model`")
+    return path
