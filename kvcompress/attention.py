@@ -1,0 +1,142 @@
+"""Reconstruction-free attention over a ``TaleLayer`` and its registration as ``attn_implementation='tale'``.
+
+For a compressed token with whitened key coefficients ``c`` (``k̂ = M_k c``, ``M_k = U_k·diag(s_k)``) the score
+is ``q·k̂ = (q M_k)·c``: each query is projected once into the basis (``q M_k``, ``(…, d)``) and every tier
+takes the first ``rank_t`` columns of it, so full keys are never rebuilt.  Values are folded after the
+weighted sum: ``Σ_j p_j v̂_j = M_v (Σ_j p_j c_j)``; the per-tier sums are accumulated in coefficient space
+(padded to ``d``) and mapped back once.  Exact tokens (sinks and window) are scored alongside, and one
+softmax runs over all columns, so the result equals softmax attention over the reconstructed K/V
+(``tests/test_kvcompress.py`` checks this) while the transient memory is ``O(n·rank)`` instead of ``O(n·d)``.
+
+The same pass records token significance (``TaleLayer.record_significance``) for the exact tokens and
+then lets the layer compress what left the window.  Queries are processed in chunks so a long prefill
+never materializes the full ``q × n`` score matrix.  GQA is handled by folding a KV head's query heads
+into the query dimension (no ``repeat_kv``).
+
+The attention function falls back to ``sdpa`` when the keys do not come from a ``TaleLayer`` (no cache,
+or a ``DynamicCache``), so a model switched to ``'tale'`` still runs normally without a ``TaleCache``.
+The mask function is transformers' ``sdpa_mask`` with the causal skip disabled: TALE needs a real mask
+because its columns (exact vs. compressed) are not in one contiguous causal layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import quant
+from .cache import ATTN_IMPLEMENTATION, TaleLayer
+
+QUERY_CHUNK = 512
+
+
+def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor:
+    """Boolean ``(b, 1, q, kv_len)`` mask, True = attend (accepts bool, additive float, or None = causal)."""
+    if mask is None:
+        rows = torch.arange(kv_len - q, kv_len, device=device)[:, None]
+        return (torch.arange(kv_len, device=device)[None, :] <= rows).expand(b, 1, q, kv_len)
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask[..., -kv_len:].expand(b, 1, q, kv_len)
+
+
+def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` ``(b, hq, q, d)`` over everything ``layer`` holds; returns ``(b, q, hq, d)``."""
+    b, hq, q, d = query.shape
+    h = layer.exact_k.shape[1]
+    g = hq // h
+    allowed = _allowed_mask(mask, b, q, layer.length, query.device)
+    outs = [
+        _attend_chunk(layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g)
+        for i in range(0, q, QUERY_CHUNK)
+    ]
+    layer.compress_overflow()
+    return torch.cat(outs, dim=-2).to(query.dtype).transpose(1, 2).contiguous()
+
+
+def _attend_chunk(
+    layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int
+) -> torch.Tensor:
+    b, hq, q, d = query.shape
+    h = hq // g
+    qf = query.float().reshape(b, h, g * q, d) * scaling  # query heads of one KV head folded into rows
+    allowed = allowed.unsqueeze(2).expand(b, 1, g, q, allowed.shape[-1]).reshape(b, 1, g * q, -1)
+    visible = allowed.sum(-1, keepdim=True).clamp_min(1)
+    exact_allowed = layer.exact_columns(allowed)
+    scores = [(qf @ layer.exact_k.float().transpose(-1, -2)).masked_fill(~exact_allowed, float("-inf"))]
+
+    tiers = [t for t in range(len(layer.policy.tiers)) if layer.tier_k[t] is not None]
+    if tiers:
+        s, c = layer.n_sinks, layer.n_compressed
+        comp_allowed = allowed[..., s : s + c]
+        needs_mask = not bool(comp_allowed.all())
+        q_basis = qf @ layer.key_map  # (b, h, g*q, d): queries in the key basis
+        for t in tiers:
+            coeffs = quant.dequantize(layer.tier_k[t])
+            tier_scores = q_basis[..., : coeffs.shape[-1]] @ coeffs.transpose(-1, -2)
+            if needs_mask:
+                pos = layer.tier_positions(t).unsqueeze(2).expand(b, h, g * q, -1)
+                tier_scores = tier_scores.masked_fill(
+                    ~torch.gather(comp_allowed.expand(b, h, -1, -1), -1, pos), float("-inf")
+                )
+            scores.append(tier_scores)
+
+    sizes = [x.shape[-1] for x in scores]
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).nan_to_num_(
+        0.0
+    )  # fully masked (padding) rows -> 0
+    probs = probs.split(sizes, dim=-1)
+    layer.record_significance(probs[0], exact_allowed, visible, g)
+
+    out = probs[0] @ layer.exact_v.float()
+    if tiers:
+        folded = out.new_zeros(b, h, g * q, layer.value_map.shape[-1])
+        for t, p in zip(tiers, probs[1:], strict=True):
+            coeffs = quant.dequantize(layer.tier_v[t])
+            folded[..., : coeffs.shape[-1]] += p @ coeffs
+        out = out + folded @ layer.value_map.transpose(-1, -2)
+    return out.reshape(b, hq, q, -1)
+
+
+def tale_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry: TALE attention for ``TaleLayer`` keys, sdpa otherwise."""
+    layer = getattr(key, "tale_layer", None)
+    if layer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return attend(layer, query, attention_mask, scaling), None
+
+
+def _tale_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``'tale'`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tale_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _tale_mask)
+
+
+def enable_tale(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model`` to TALE attention (works with any cache; reconstruction-free with a ``TaleCache``)."""
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model

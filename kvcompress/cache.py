@@ -1,0 +1,269 @@
+"""``TaleCache``: a transformers ``Cache`` whose layers keep old tokens as quantized low-rank coefficients.
+
+Layout of one layer (``TaleLayer``), in insertion order of the tokens::
+
+    [ sinks (exact) | compressed tokens (tiers) | window (exact) ]
+
+- ``exact_k/exact_v`` ``(batch, heads, n_exact, d)`` hold the sinks followed by the window, model dtype.
+- tier ``t`` holds ``k``/``v`` coefficient ``QTensor``s ``(batch, heads, n_t, rank_t)``; which tier each
+  compressed token went to is ``tier_ids`` ``(batch, heads, n_compressed)`` uint8, needed only to mask
+  compressed tokens when a padding mask reaches into them.
+- ``acc``/``cnt`` track the significance of the exact tokens: the attention each one received, times the
+  number of keys the attending query could see (so 1.0 means "as much as a uniform share"), summed over
+  the queries and averaged over the query heads of its KV group; divided by how many queries saw it.
+  Sinks and window tokens are the only ones that need it: a token's tier is fixed when it leaves the
+  window (lazy approximation) and it is never recomputed or promoted.
+
+``update`` only appends the new exact K/V (it returns them tagged with the layer, ``key.tale_layer``);
+attention (``kvcompress.attention``) reads the tiers without rebuilding K/V, updates significance and
+then calls ``compress_overflow``.  So every forward pass sees its own new tokens exactly, and the state
+between forward passes is always compressed.
+
+Layers without factors (e.g. SwiftKV AcrossKV followers, which never call ``update``) stay empty; a KV
+group is thus compressed once, by the layer that owns it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import quant
+from .factors import Factors, LayerFactors, model_signature
+from .policy import Policy
+
+ATTN_IMPLEMENTATION = "tale"
+
+
+class TaleLayer(CacheLayerMixin):
+    """One layer's TALE state; see the module docstring for the layout."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, factors: LayerFactors | None, policy: Policy, layer_idx: int):
+        super().__init__()
+        self.factors, self.policy, self.layer_idx = factors, policy, layer_idx
+        self.reset()
+
+    # --- CacheLayerMixin API -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.length = 0
+        self.exact_k = self.exact_v = self.acc = self.cnt = None
+        self.tier_k: list[quant.QTensor | None] = [None] * len(self.policy.tiers)
+        self.tier_v: list[quant.QTensor | None] = [None] * len(self.policy.tiers)
+        self.tier_ids: torch.Tensor | None = None
+        self.n_compressed = 0
+        self.pending = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.exact_k = key_states.new_zeros(b, h, 0, d)
+        self.exact_v = value_states.new_zeros(b, h, 0, value_states.shape[-1])
+        self.acc = torch.zeros(b, h, 0, device=self.device)
+        self.cnt = torch.zeros(b, 0, device=self.device)
+        self.tier_ids = torch.zeros(b, h, 0, dtype=torch.uint8, device=self.device)
+        f = self.factors
+        self.key_map = (f.key_basis * f.key_scale.unsqueeze(-2)).to(
+            self.device
+        )  # (h, d, d): k̂ = c @ key_mapᵀ
+        self.value_map = (f.value_basis * f.value_scale.unsqueeze(-2)).to(self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.factors is None:
+            raise ValueError(
+                f"layer {self.layer_idx} has no low-rank factors but received KV; to resolve, calibrate this model "
+                "(`kvcompress calibrate`) so every layer that writes KV has factors"
+            )
+        if self.pending:
+            raise RuntimeError(
+                "TaleCache was updated twice without TALE attention in between; to resolve, load the model with "
+                f"kvcompress.load_compressed or call kvcompress.enable_tale(model) (attn_implementation='{ATTN_IMPLEMENTATION}')"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        b = key_states.shape[0]
+        self.exact_k = torch.cat([self.exact_k, key_states], dim=-2)
+        self.exact_v = torch.cat([self.exact_v, value_states], dim=-2)
+        self.acc = torch.cat([self.acc, self.acc.new_zeros(b, self.acc.shape[1], n)], dim=-1)
+        self.cnt = torch.cat([self.cnt, self.cnt.new_zeros(b, n)], dim=-1)
+        self.length += n
+        self.pending = True
+        keys = self.exact_k
+        keys.tale_layer = self
+        return keys, self.exact_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = beam_idx.to(self.device)
+        for name in ("exact_k", "exact_v", "acc", "cnt", "tier_ids"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        for tiers in (self.tier_k, self.tier_v):
+            tiers[:] = [q.index_select(0, idx) if q is not None else None for q in tiers]
+
+    # --- TALE specifics ------------------------------------------------------------------------------
+    @property
+    def n_sinks(self) -> int:
+        return min(self.policy.sinks, self.length)
+
+    def exact_columns(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The mask columns of the exact tokens (sinks then window) from a full ``(..., kv_len)`` mask."""
+        s, c = self.n_sinks, self.n_compressed
+        return torch.cat([allowed[..., :s], allowed[..., s + c : self.length]], dim=-1)
+
+    def tier_positions(self, tier: int) -> torch.Tensor:
+        """Indices (within the compressed range) of tier ``tier``'s tokens, ``(batch, heads, n_tier)``."""
+        n = len(self.tier_k[tier])
+        return torch.argsort((self.tier_ids != tier).to(torch.uint8), dim=-1, stable=True)[..., :n]
+
+    def record_significance(
+        self, probs: torch.Tensor, allowed: torch.Tensor, visible: torch.Tensor, groups: int
+    ) -> None:
+        """Add the attention exact tokens received.
+
+        ``probs`` ``(b, h, g*q, n_exact)``; ``allowed`` the exact columns of the mask ``(b, 1, g*q, n_exact)``;
+        ``visible`` ``(b, 1, g*q, 1)`` how many keys (of all kinds) each query could see.
+        """
+        self.acc += (probs * visible).sum(-2) / groups
+        self.cnt += allowed.sum(-2).squeeze(1).float() / groups
+
+    def compress_overflow(self) -> None:
+        """Compress the window's oldest tokens once ``block`` of them have left it (all of them after a prefill)."""
+        self.pending = False
+        s, n_exact = self.n_sinks, self.exact_k.shape[-2]
+        overflow = n_exact - s - self.policy.window
+        if overflow < self.policy.block:
+            return
+        self._compress(s, overflow)
+
+    def _compress(self, start: int, n: int) -> None:
+        stop = start + n
+        sig = self.acc[..., start:stop] / self.cnt[:, None, start:stop].clamp_min(1)
+        order = torch.argsort(sig, dim=-1, descending=True, stable=True)
+        rank = torch.argsort(order, dim=-1)  # 0 = most significant
+        counts = self.policy.tier_counts(n)
+        bounds = torch.tensor(list(itertools.accumulate(counts))[:-1], device=self.device)
+        tier_id = torch.bucketize(rank, bounds, right=True).to(torch.uint8)
+        keys, values = self.exact_k[..., start:stop, :], self.exact_v[..., start:stop, :]
+        for t, (tier, count) in enumerate(zip(self.policy.tiers, counts, strict=True)):
+            if count == 0:
+                continue
+            idx = torch.argsort((tier_id != t).to(torch.uint8), dim=-1, stable=True)[..., :count]
+            self.tier_k[t] = self._append(
+                self.tier_k[t],
+                keys,
+                idx,
+                self.factors.key_basis,
+                self.factors.key_scale,
+                tier.k_rank,
+                tier.bits,
+            )
+            self.tier_v[t] = self._append(
+                self.tier_v[t],
+                values,
+                idx,
+                self.factors.value_basis,
+                self.factors.value_scale,
+                tier.v_rank,
+                tier.bits,
+            )
+        self.tier_ids = torch.cat([self.tier_ids, tier_id], dim=-1)
+        keep = lambda x: torch.cat([x[..., :start, :], x[..., stop:, :]], dim=-2).contiguous()  # noqa: E731
+        self.exact_k, self.exact_v = keep(self.exact_k), keep(self.exact_v)
+        self.acc = torch.cat([self.acc[..., :start], self.acc[..., stop:]], dim=-1).contiguous()
+        self.cnt = torch.cat([self.cnt[..., :start], self.cnt[..., stop:]], dim=-1).contiguous()
+        self.n_compressed += n
+
+    def _append(self, store, states, idx, basis, scale, rank, bits) -> quant.QTensor:
+        picked = torch.gather(states, 2, idx.unsqueeze(-1).expand(*idx.shape, states.shape[-1]))
+        basis, scale = basis[..., :rank].to(self.device), scale[..., :rank].to(self.device)
+        coeffs = (picked.float() @ basis) / scale.unsqueeze(-2)
+        if bits is None:
+            coeffs = coeffs.to(self.dtype)
+        new = quant.quantize(coeffs, bits, self.policy.group_size)
+        return new if store is None else quant.cat([store, new])
+
+    def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full K/V in insertion order from the stored form (for tests and error analysis, not for attention)."""
+        s, c = self.n_sinks, self.n_compressed
+        b, h, _, d = self.exact_k.shape
+        keys = self.exact_k.new_zeros(b, h, c, d, dtype=torch.float32)
+        values = self.exact_v.new_zeros(b, h, c, self.exact_v.shape[-1], dtype=torch.float32)
+        for t in range(len(self.policy.tiers)):
+            if self.tier_k[t] is None:
+                continue
+            pos = self.tier_positions(t).unsqueeze(-1)
+            ck, cv = quant.dequantize(self.tier_k[t]), quant.dequantize(self.tier_v[t])
+            keys.scatter_(
+                2, pos.expand(*pos.shape[:-1], d), ck @ self.key_map[..., : ck.shape[-1]].transpose(-1, -2)
+            )
+            values.scatter_(
+                2, pos.expand(*pos.shape[:-1], d), cv @ self.value_map[..., : cv.shape[-1]].transpose(-1, -2)
+            )
+        full_k = torch.cat([self.exact_k[..., :s, :].float(), keys, self.exact_k[..., s:, :].float()], dim=-2)
+        full_v = torch.cat(
+            [self.exact_v[..., :s, :].float(), values, self.exact_v[..., s:, :].float()], dim=-2
+        )
+        return full_k, full_v
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        if not self.is_initialized:
+            return []
+        out = [self.exact_k, self.exact_v, self.acc, self.cnt, self.tier_ids]
+        for q in (*self.tier_k, *self.tier_v):
+            if q is not None:
+                out += q.tensors()
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of KV state this layer holds (storages, so views of larger buffers count in full)."""
+        return sum(t.untyped_storage().nbytes() for t in self.held_tensors())
+
+
+class TaleCache(Cache):
+    """Token-adaptive low-rank + multi-level quantized KV cache (TALE); needs ``attn_implementation='tale'``."""
+
+    def __init__(self, factors: Factors, policy: Policy, config, model: torch.nn.Module | None = None):
+        config = config.get_text_config(decoder=True)
+        factors.check_model(config, model)
+        policy.check_head_dim(model_signature(config)["head_dim"])
+        if model is not None and model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"the model uses attn_implementation={model.config._attn_implementation!r}; to resolve, call "
+                "kvcompress.enable_tale(model) or load it with kvcompress.load_compressed"
+            )
+        self.policy, self.factors = policy, factors
+        layers = [TaleLayer(factors.layers.get(i), policy, i) for i in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """KV bytes held by all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def stats(self) -> dict:
+        """Token counts of the first layer that holds KV: exact and per tier."""
+        layer = next((lyr for lyr in self.layers if lyr.is_initialized), None)
+        if layer is None:
+            return {"tokens": 0, "exact": 0, "tiers": []}
+        return {
+            "tokens": layer.length,
+            "exact": layer.exact_k.shape[-2],
+            "tiers": [0 if q is None else len(q) for q in layer.tier_k],
+        }

@@ -1,0 +1,147 @@
+"""Low-rank KV bases per layer and KV head: the artifact ``kvcompress calibrate`` writes.
+
+A factors directory holds ``factors.safetensors`` (tensors), ``factors.json`` (what model they fit),
+``policy.json`` (the default compression policy chosen at calibration) and ``provenance.json``.
+
+Design choices (see also ``kvcompress.calibrate``):
+
+- **Keys are factored after RoPE.**  Reconstruction-free attention needs scores ``q·k̂ = (q·B)·c`` with one
+  basis ``B`` shared by all tokens.  A pre-RoPE basis would need the position-dependent rotation applied
+  to every token's reconstruction (``R_p B c``), i.e. rebuilding K.  Post-RoPE keys have a somewhat flatter
+  spectrum (the rotation spreads energy over frequency pairs), which the calibration data covers because it
+  contains every position up to its length.
+- **Bases are the eigenvectors of the uncentred second moment** ``E[k kᵀ]`` (PCA without mean removal),
+  sorted by energy, so the first ``r`` columns are the best rank-``r`` subspace for every ``r`` at once:
+  a token's rank can be chosen per token by truncation, without a basis per rank.
+- **Coefficients are whitened**: ``c = Uᵀk / s`` with ``s`` the RMS of each component.  All components then
+  have unit scale, which makes one quantization group per token accurate (``kvcompress.quant``).  The scale
+  is folded back into the basis at use: ``k̂ = (U·s) c``.
+- **An identity basis** (``identity_factors``) turns the same cache into a plain per-token quantizer; the
+  benchmark uses it as the uniform-quantization baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FACTORS_FILE = "factors.safetensors"
+META_FILE = "factors.json"
+POLICY_FILE = "policy.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class LayerFactors:
+    """Bases for one layer's KV: ``*_basis`` is ``(heads, d, d)`` with columns by energy, ``*_scale`` ``(heads, d)``."""
+
+    key_basis: torch.Tensor
+    key_scale: torch.Tensor
+    value_basis: torch.Tensor
+    value_scale: torch.Tensor
+
+
+@dataclass
+class Factors:
+    """Per-layer bases plus the model description they were calibrated on."""
+
+    layers: dict[int, LayerFactors]
+    meta: dict
+
+    def check_model(self, config, model=None) -> None:
+        """Raise a one-line ValueError if these factors were not made for ``config`` (and ``model``)."""
+        expected = model_signature(config)
+        for key, value in expected.items():
+            if self.meta.get(key) != value:
+                raise ValueError(
+                    f"factors {self.meta.get('source', '?')} were calibrated for {key}={self.meta.get(key)!r} but the "
+                    f"model has {key}={value!r}; to resolve, run `kvcompress calibrate` on this model"
+                )
+        if model is not None and "key_fingerprint" in self.meta:
+            got, want = torch.tensor(key_fingerprint(model)), torch.tensor(self.meta["key_fingerprint"])
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2, atol=1e-3):
+                raise ValueError(
+                    f"factors {self.meta.get('source', '?')} were calibrated on other weights (first k_proj entries "
+                    "differ); to resolve, run `kvcompress calibrate` on this model"
+                )
+
+
+def model_signature(config) -> dict:
+    """The config fields factors must agree on."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": head_dim,
+    }
+
+
+def key_fingerprint(model: torch.nn.Module) -> list[float]:
+    """A few spread-out entries of the first key projection: they change whenever the weights do."""
+    weight = next(p for n, p in model.named_parameters() if "k_proj" in n and n.endswith("weight"))
+    flat = weight.detach().flatten()
+    return [float(x) for x in flat[:: max(1, flat.numel() // 16)][:16]]
+
+
+def bases_from_moments(second_moment: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigen-bases of ``(heads, d, d)`` second moments: columns sorted by energy, and each component's RMS."""
+    evals, evecs = torch.linalg.eigh(second_moment.double())
+    evals, evecs = evals.flip(-1).clamp_min(0), evecs.flip(-1)
+    scale = evals.sqrt()
+    scale = torch.maximum(scale, eps * scale[..., :1])
+    return evecs.float().contiguous(), scale.float().contiguous()
+
+
+def identity_factors(config, dtype: torch.dtype = torch.float32) -> Factors:
+    """Factors with the identity basis for every layer: the cache then quantizes raw K/V per token."""
+    sig = model_signature(config)
+    h, d = sig["num_key_value_heads"], sig["head_dim"]
+    eye = torch.eye(d, dtype=dtype).expand(h, d, d).contiguous()
+    one = torch.ones(h, d, dtype=dtype)
+    layers = {i: LayerFactors(eye, one, eye, one) for i in range(sig["num_hidden_layers"])}
+    return Factors(layers, {**sig, "source": "identity", "basis": "identity"})
+
+
+def save_factors(factors: Factors, out_dir: str | os.PathLike) -> None:
+    """Write tensors and metadata into ``out_dir`` (the caller makes the directory atomic)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for idx, lf in factors.layers.items():
+        for name in ("key_basis", "key_scale", "value_basis", "value_scale"):
+            tensors[f"layers.{idx}.{name}"] = getattr(lf, name).contiguous()
+    save_file(tensors, str(Path(out_dir) / FACTORS_FILE))
+    meta = {**factors.meta, "format_version": FORMAT_VERSION, "layers": sorted(factors.layers)}
+    (Path(out_dir) / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def load_factors(factors_dir: str | os.PathLike) -> Factors:
+    """Read a factors directory written by ``kvcompress calibrate``."""
+    from safetensors.torch import load_file
+
+    factors_dir = Path(factors_dir)
+    meta_path, tensor_path = factors_dir / META_FILE, factors_dir / FACTORS_FILE
+    if not meta_path.is_file() or not tensor_path.is_file():
+        raise FileNotFoundError(
+            f"{factors_dir} is not a factors directory (needs {META_FILE} and {FACTORS_FILE}); "
+            "to resolve, run `kvcompress calibrate MODEL_DIR OUT_DIR`"
+        )
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path} has format_version {meta.get('format_version')}, this kvcompress reads {FORMAT_VERSION}; "
+            "to resolve, re-run `kvcompress calibrate`"
+        )
+    tensors = load_file(str(tensor_path))
+    layers = {
+        idx: LayerFactors(
+            *(tensors[f"layers.{idx}.{n}"] for n in ("key_basis", "key_scale", "value_basis", "value_scale"))
+        )
+        for idx in meta["layers"]
+    }
+    return Factors(layers, meta)
