@@ -172,6 +172,31 @@ def swiftkv_weights(get, num_layers: int, num_key_value_layers: int, group_size:
     return out
 
 
+def to_swiftkv(base, num_key_value_layers: int, group_size: int = 1):
+    """In-memory conversion of a loaded base causal LM (for benchmarks, tests and on-the-fly recipes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_config = base.config.to_dict()
+    config = swiftkv_config(base_config, num_key_value_layers, group_size)
+    config.pop("auto_map")
+    config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
+    state = base.state_dict()
+    new = swiftkv_weights(
+        state.__getitem__,
+        config.num_hidden_layers,
+        num_key_value_layers,
+        group_size,
+        has_bias=base.model.layers[0].self_attn.q_proj.bias is not None,
+    )
+    model.load_state_dict({**state, **new}, strict=True, assign=True)
+    model.model.rotary_emb = base.model.rotary_emb  # non-persistent buffers are not in the state dict
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval() if not base.training else model
+
+
 def write_remote_code(dst: Path) -> None:
     """Copy the self-contained configuration/modeling files next to the weights (for trust_remote_code)."""
     here = Path(__file__).parent

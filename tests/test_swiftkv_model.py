@@ -7,7 +7,6 @@ import torch
 from conftest import tiny_base
 
 from swiftkv import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM, Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM
-from swiftkv.convert import swiftkv_weights
 
 CLASSES = {
     "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
@@ -17,18 +16,15 @@ ATOL = 1e-5
 
 
 def to_swiftkv(base, l: int, g: int = 1, perturb: bool = True):
-    """The in-memory equivalent of `swiftkv convert`, with the new weights perturbed so that the SwiftKV
-    path really differs from the teacher (as after distillation)."""
-    family = "qwen2" if "Qwen2" in type(base).__name__ else "llama"
-    config_cls, model_cls = CLASSES[family]
-    config = config_cls(**{**base.config.to_dict(), "num_key_value_layers": l, "key_value_group_size": g})
-    model = model_cls(config).eval()
-    sd = base.state_dict()
-    new = swiftkv_weights(sd.__getitem__, base.config.num_hidden_layers, l, g, family == "qwen2")
+    """Convert in memory, with the new weights perturbed so that the SwiftKV path really differs from the
+    teacher (as after distillation)."""
+    model = convert.to_swiftkv(base, l, g)
     if perturb:
         torch.manual_seed(1)
-        new = {k: v + 0.05 * torch.randn_like(v) for k, v in new.items()}
-    model.load_state_dict({**sd, **new}, strict=True)
+        with torch.no_grad():
+            for name in model.swiftkv_parameter_names():
+                param = model.get_parameter(name)
+                param.add_(0.05 * torch.randn_like(param))
     return model
 
 
