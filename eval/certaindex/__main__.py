@@ -1,0 +1,254 @@
+"""``python -m eval.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
+
+Per-problem results go to ``OUT.partial`` as they finish (one JSON line each, after a header line with the
+options), so an interrupted run resumes where it stopped; when every problem is done the file is renamed to
+``OUT`` and a summary is written beside it as ``OUT.summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .answers import answers_equal
+from .backends import Backend, Sampling, load_backend
+from .certainty import PRESETS, preset
+from .data import Problem, resolve_problems
+
+EPILOG = """examples:
+  python -m eval.certaindex cot --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
+      --data arith:20:0 --preset mid --max-tokens 256 --out cot.jsonl
+  python -m eval.certaindex cot --model http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl
+  python -m eval.certaindex sc --model MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
+  python -m eval.certaindex calibrate --model MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
+  python -m eval.certaindex serve --model MODEL_DIR --port 8000     # OpenAI-compatible test server
+"""
+
+
+def run_resumable(
+    problems: list[Problem], solve: Callable[[Problem], dict], out: Path, options: dict
+) -> list[dict]:
+    """Solve every problem not yet in ``out.partial``; return all records in problem order."""
+    from tqdm import tqdm
+
+    if out.exists():
+        raise FileExistsError(f"{out} exists; to resolve, choose another --out or delete it")
+    partial = out.with_name(out.name + ".partial")
+    done: dict[str, dict] = {}
+    if partial.exists():
+        lines = [json.loads(x) for x in partial.read_text().splitlines() if x.strip()]
+        if not lines or lines[0].get("options") != options:
+            raise ValueError(
+                f"{partial} was written with other options; to resolve, delete it or rerun with the same ones"
+            )
+        done = {r["id"]: r for r in lines[1:]}
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"options": options}) + "\n")
+    with partial.open("a") as sink:
+        for problem in tqdm(
+            [p for p in problems if p.id not in done], desc=out.name, initial=len(done), total=len(problems)
+        ):
+            record = {"id": problem.id, "reference": problem.answer, **solve(problem)}
+            record["correct"] = answers_equal(record["answer"], problem.answer)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            done[problem.id] = record
+    os.replace(partial, out)
+    return [done[p.id] for p in problems]
+
+
+def _summary(records: list[dict], keys: tuple[str, ...]) -> dict:
+    n = len(records)
+    summary = {"problems": n, "accuracy": sum(r["correct"] for r in records) / max(n, 1)}
+    summary.update({f"mean_{k}": sum(r[k] for r in records) / max(n, 1) for k in keys})
+    return summary
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    from swiftkv.artifacts import write_json_atomic
+
+    write_json_atomic(out.with_name(out.name + ".summary.json"), summary)
+    print(json.dumps(summary, indent=2, sort_keys=True))
+
+
+def _cmd_cot(args: argparse.Namespace, backend: Backend, problems: list[Problem]) -> None:
+    from .cot import run_cot
+
+    window, chunk = preset(args.preset)
+    window, chunk = args.window or window, args.chunk or chunk
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+
+    def solve(p: Problem) -> dict:
+        result = run_cot(
+            backend,
+            backend.chat_format(p.prompt_text()),
+            max_tokens=args.max_tokens,
+            window=window,
+            chunk=chunk,
+            early_exit=not args.no_early_exit,
+            sampling=sampling,
+            choices=len(p.choices or ()),
+        )
+        return result.to_dict()
+
+    options = {**vars(args), "window": window, "chunk": chunk}
+    records = run_resumable(problems, solve, args.out, _jsonable(options))
+    summary = _summary(records, ("main_tokens", "probe_tokens", "saved_tokens"))
+    summary["early_exit_rate"] = sum(r["exited_early"] for r in records) / max(len(records), 1)
+    _write_summary(args.out, {**summary, "options": _jsonable(options)})
+
+
+def _sc_records(
+    args: argparse.Namespace, backend: Backend, problems: list[Problem], threshold: float | None
+) -> list[dict]:
+    from .sc import run_sc
+
+    sampling = Sampling(args.temperature, args.top_p, args.seed)
+
+    def solve(p: Problem) -> dict:
+        return run_sc(
+            backend,
+            backend.chat_format(p.prompt_text()),
+            max_samples=args.max_samples,
+            step=args.step,
+            threshold=threshold,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            choices=len(p.choices or ()),
+        ).to_dict()
+
+    return run_resumable(problems, solve, args.out, _jsonable({**vars(args), "threshold": threshold}))
+
+
+def _cmd_sc(args: argparse.Namespace, backend: Backend, problems: list[Problem]) -> None:
+    records = _sc_records(args, backend, problems, None if args.threshold > 1 else args.threshold)
+    _write_summary(args.out, {**_summary(records, ("samples", "tokens")), "options": _jsonable(vars(args))})
+
+
+def _cmd_calibrate(args: argparse.Namespace, backend: Backend, problems: list[Problem]) -> None:
+    from .sc import ScResult, calibrate
+
+    records = _sc_records(args, backend, problems, None)
+    fields = ("answer", "answers", "sample_tokens", "certaindex", "stopped_early")
+    runs = [ScResult(**{k: r[k] for k in fields}) for r in records]
+    grid = [round(0.05 * i, 2) for i in range(21)]
+    best, points = calibrate(
+        runs, [r["reference"] for r in records], args.step, grid, args.target_accuracy, args.tolerance
+    )
+    print(f"{'threshold':>9} {'accuracy':>8} {'mean tokens':>11}")
+    for p in points:
+        print(f"{'full' if p.threshold is None else p.threshold:>9} {p.accuracy:8.3f} {p.mean_tokens:11.1f}")
+    summary = {"chosen": vars(best), "points": [vars(p) for p in points], "options": _jsonable(vars(args))}
+    _write_summary(args.out, summary)
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from .hf_backend import HFBackend
+    from .server import make_server
+
+    server = make_server(
+        HFBackend.from_pretrained(args.model, args.dtype), Path(args.model).name, args.host, args.port
+    )
+    print(
+        f"serving {args.model} at http://{server.server_address[0]}:{server.server_address[1]}/v1", flush=True
+    )
+    server.serve_forever()
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in options.items() if k != "func"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.certaindex",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--model", required=True, help="transformers model dir, or http://host:port/v1 endpoint"
+    )
+    common.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="transformers weights"
+    )
+    run = argparse.ArgumentParser(add_help=False, parents=[common])
+    run.add_argument("--tokenizer", help="HF dir or id for the chat template when --model is a URL")
+    run.add_argument(
+        "--data", required=True, help="JSONL of {id, question, answer[, choices]}, or arith:N[:SEED]"
+    )
+    run.add_argument("--limit", type=int, help="use only the first N problems")
+    run.add_argument(
+        "--out", type=Path, required=True, help="per-problem JSONL; summary goes to OUT.summary.json"
+    )
+    run.add_argument("--max-tokens", type=int, default=1024, help="token budget of one chain")
+    run.add_argument("--temperature", type=float, default=0.6)
+    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("--seed", type=int, default=0)
+
+    cot = sub.add_parser(
+        "cot",
+        parents=[run],
+        help="chain of thought with probe-in-the-middle early exit",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cot.add_argument("--preset", default="mid", choices=list(PRESETS), help="(W, chunk): " + str(PRESETS))
+    cot.add_argument("--window", type=int, help="override W: consecutive agreeing probes needed to exit")
+    cot.add_argument("--chunk", type=int, help="override the chunk size in tokens")
+    cot.add_argument(
+        "--no-early-exit", action="store_true", help="full-budget baseline with the same chunking"
+    )
+    cot.set_defaults(func=_cmd_cot)
+    for name, func, text in (
+        ("sc", _cmd_sc, "certaindex-adaptive self-consistency"),
+        ("calibrate", _cmd_calibrate, "pick the certaindex threshold on a dev split"),
+    ):
+        p = sub.add_parser(
+            name,
+            parents=[run],
+            help=text,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--max-samples", type=int, default=16)
+        p.add_argument(
+            "--step", type=int, default=4, help="samples drawn per round between certaindex checks"
+        )
+        p.set_defaults(func=func)
+        if name == "sc":
+            p.add_argument(
+                "--threshold", type=float, default=0.8, help="stop at certaindex >= this (> 1: full budget)"
+            )
+        else:
+            p.add_argument(
+                "--target-accuracy",
+                type=float,
+                help="dev accuracy to keep (default: full budget - tolerance)",
+            )
+            p.add_argument("--tolerance", type=float, default=0.01)
+    serve = sub.add_parser("serve", parents=[common], help="OpenAI-compatible completions server (loopback)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return args.func(args)
+    problems = resolve_problems(args.data, args.limit)
+    backend = load_backend(args.model, tokenizer=args.tokenizer, dtype=args.dtype)
+    args.func(args, backend, problems)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

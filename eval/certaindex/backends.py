@@ -1,0 +1,83 @@
+"""What Certaindex needs from an inference engine, and how a ``--model`` string picks one.
+
+A backend opens a *session* on a prompt: ``extend`` grows the main chain of thought by one chunk, ``probe``
+asks a side question about the text so far without changing it, and ``sample`` draws independent full
+completions for self-consistency.  Every call reports the tokens it generated and the input tokens it had to
+process, so callers can account main, probe and saved tokens per request.  Two engines implement it:
+transformers (``hf_backend``, probes reuse the session's KV cache) and any OpenAI-compatible completions
+endpoint such as vLLM (``http_backend``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings of one call; temperature 0 means greedy."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    seed: int = 0
+
+
+DEFAULT_SAMPLING = Sampling()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Result of one generation call.
+
+    ``tokens`` are generated tokens; ``input_tokens`` are the tokens the engine processed as input for this
+    call (for transformers only the uncached ones, for HTTP what the server reports); ``finished`` is true
+    when generation stopped at an end-of-sequence token rather than at the length limit.
+    """
+
+    text: str
+    tokens: int
+    input_tokens: int
+    finished: bool
+
+
+class Session(Protocol):
+    """One growing chain of thought."""
+
+    text: str
+
+    def extend(self, max_tokens: int, sampling: Sampling) -> Completion: ...
+
+    def probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Completion: ...
+
+
+class Backend(Protocol):
+    """An engine: opens sessions and draws independent samples.  ``chat_format`` renders a question as the
+    engine's prompt text (the chat template when a tokenizer is known)."""
+
+    def chat_format(self, question: str) -> str: ...
+
+    def session(self, prompt: str) -> Session: ...
+
+    def sample(self, prompt: str, n: int, max_tokens: int, sampling: Sampling) -> list[Completion]: ...
+
+
+def load_backend(model: str, *, tokenizer: str | None = None, dtype: str = "float32") -> Backend:
+    """``http(s)://host:port/v1`` -> OpenAI-compatible client (``tokenizer`` = HF dir or hub id for the chat
+    template, optional); anything else -> a transformers model directory."""
+    if model.startswith(("http://", "https://")):
+        from .http_backend import OpenAIBackend
+
+        return OpenAIBackend(model, tokenizer=tokenizer)
+    from .hf_backend import HFBackend
+
+    return HFBackend.from_pretrained(model, dtype=dtype)
+
+
+def render_chat(tokenizer, question: str) -> str:
+    """The question as one user turn plus the assistant header, or the bare question without a template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return question + "\n"
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
