@@ -6,7 +6,13 @@ import pytest
 import torch
 from conftest import tiny_base
 
-from swiftkv import LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM, Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM
+from swiftkv import (
+    LlamaSwiftKVConfig,
+    LlamaSwiftKVForCausalLM,
+    Qwen2SwiftKVConfig,
+    Qwen2SwiftKVForCausalLM,
+    convert,
+)
 
 CLASSES = {
     "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
