@@ -49,7 +49,7 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
         _attend_chunk(layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g)
         for i in range(0, q, QUERY_CHUNK)
     ]
-    layer.compress_overflow()
+    layer.finish_read()
     return torch.cat(outs, dim=-2).to(query.dtype).transpose(1, 2).contiguous()
 
 

@@ -19,12 +19,15 @@ attention (``kvcompress.attention``) reads the tiers without rebuilding K/V, upd
 then calls ``compress_overflow``.  So every forward pass sees its own new tokens exactly, and the state
 between forward passes is always compressed.
 
-Layers without factors (e.g. SwiftKV AcrossKV followers, which never call ``update``) stay empty; a KV
-group is thus compressed once, by the layer that owns it.
+SwiftKV: an AcrossKV group's K/V is written once, into the leader's layer (``config.kv_cache_layer``), and
+every layer of the group attends to it.  The layer counts its readers, accumulates significance over all
+of them and compresses only after the last one has attended, so every reader sees the same state and the
+group is compressed once.  Follower layers never receive KV and stay empty (they need no factors).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import torch
@@ -44,9 +47,9 @@ class TaleLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, factors: LayerFactors | None, policy: Policy, layer_idx: int):
+    def __init__(self, factors: LayerFactors | None, policy: Policy, layer_idx: int, readers: int = 1):
         super().__init__()
-        self.factors, self.policy, self.layer_idx = factors, policy, layer_idx
+        self.factors, self.policy, self.layer_idx, self.readers = factors, policy, layer_idx, readers
         self.reset()
 
     # --- CacheLayerMixin API -------------------------------------------------------------------------
@@ -58,7 +61,7 @@ class TaleLayer(CacheLayerMixin):
         self.tier_v: list[quant.QTensor | None] = [None] * len(self.policy.tiers)
         self.tier_ids: torch.Tensor | None = None
         self.n_compressed = 0
-        self.pending = False
+        self.unread = 0  # attention passes still due over the tokens of the last update
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -81,7 +84,7 @@ class TaleLayer(CacheLayerMixin):
                 f"layer {self.layer_idx} has no low-rank factors but received KV; to resolve, calibrate this model "
                 "(`kvcompress calibrate`) so every layer that writes KV has factors"
             )
-        if self.pending:
+        if self.unread:
             raise RuntimeError(
                 "TaleCache was updated twice without TALE attention in between; to resolve, load the model with "
                 f"kvcompress.load_compressed or call kvcompress.enable_tale(model) (attn_implementation='{ATTN_IMPLEMENTATION}')"
@@ -95,7 +98,7 @@ class TaleLayer(CacheLayerMixin):
         self.acc = torch.cat([self.acc, self.acc.new_zeros(b, self.acc.shape[1], n)], dim=-1)
         self.cnt = torch.cat([self.cnt, self.cnt.new_zeros(b, n)], dim=-1)
         self.length += n
-        self.pending = True
+        self.unread = self.readers
         keys = self.exact_k
         keys.tale_layer = self
         return keys, self.exact_v
@@ -144,9 +147,14 @@ class TaleLayer(CacheLayerMixin):
         self.acc += (probs * visible).sum(-2) / groups
         self.cnt += allowed.sum(-2).squeeze(1).float() / groups
 
+    def finish_read(self) -> None:
+        """Called after each attention pass; once every reader of this KV has attended, compress."""
+        self.unread = max(self.unread - 1, 0)
+        if self.unread == 0:
+            self.compress_overflow()
+
     def compress_overflow(self) -> None:
         """Compress the window's oldest tokens once ``block`` of them have left it (all of them after a prefill)."""
-        self.pending = False
         s, n_exact = self.n_sinks, self.exact_k.shape[-2]
         overflow = n_exact - s - self.policy.window
         if overflow < self.policy.block:
@@ -250,7 +258,13 @@ class TaleCache(Cache):
                 "kvcompress.enable_tale(model) or load it with kvcompress.load_compressed"
             )
         self.policy, self.factors = policy, factors
-        layers = [TaleLayer(factors.layers.get(i), policy, i) for i in range(config.num_hidden_layers)]
+        owner = getattr(
+            config, "kv_cache_layer", lambda i: i
+        )  # SwiftKV configs map layers to KV-group leaders
+        readers = collections.Counter(owner(i) for i in range(config.num_hidden_layers))
+        layers = [
+            TaleLayer(factors.layers.get(i), policy, i, readers[i]) for i in range(config.num_hidden_layers)
+        ]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:

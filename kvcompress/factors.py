@@ -82,10 +82,13 @@ def model_signature(config) -> dict:
 
 
 def key_fingerprint(model: torch.nn.Module) -> list[float]:
-    """A few spread-out entries of the first key projection: they change whenever the weights do."""
-    weight = next(p for n, p in model.named_parameters() if "k_proj" in n and n.endswith("weight"))
-    flat = weight.detach().flatten()
-    return [float(x) for x in flat[:: max(1, flat.numel() // 16)][:16]]
+    """Two spread-out entries of every key projection (``k_proj*``, SwiftKV's included): they change with the weights."""
+    out = []
+    for name, weight in model.named_parameters():
+        if "k_proj" in name and name.endswith("weight"):
+            flat = weight.detach().flatten()
+            out += [float(flat[flat.numel() // 3]), float(flat[2 * flat.numel() // 3])]
+    return out
 
 
 def bases_from_moments(second_moment: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,130 @@
+"""Quality, memory and latency measurements of KV caches on one model (used by the benchmark script).
+
+Quality protocol: a held-out text is split into a ``prefix`` (prefilled in one pass, then compressed) and
+a ``continuation`` fed in chunks of ``chunk`` tokens (so the window keeps rolling and later chunks see
+compressed history, as in decoding).  Perplexity, KL(full ‖ method) and top-1 agreement are computed on the
+continuation tokens only, against the uncompressed model's logits of the same run.
+
+Methods are named by short specs so the benchmark's table is reproducible from its command line:
+
+- ``full``: ``DynamicCache`` (the baseline, sdpa attention);
+- ``tale:B`` (optionally ``tale:B:8,4,2``): TALE with ``Policy.from_budget(B, bits)``;
+- ``lowrank:R:BITS``: one tier of rank ``R`` for every compressed token (uniform low rank; BITS 16 = fp16);
+- ``quant:BITS``: identity basis, i.e. plain per-token quantization of K/V (uniform quantization);
+- ``hf-fp8``: transformers' ``QuantizedCache(backend="fp8")`` (quanto/HQQ backends are not installed here).
+
+Every TALE-family method uses the same sinks/window/block, so the comparison isolates the storage format.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .attention import enable_tale
+from .cache import TaleCache
+from .factors import Factors, identity_factors
+from .policy import Policy, uniform_policy
+
+
+def make_method(
+    spec: str, model, factors: Factors, sinks: int = 4, window: int = 64, block: int = 32
+) -> Callable:
+    """A zero-argument factory of fresh caches for ``spec`` (see module docstring); sets the attention."""
+    from transformers import DynamicCache, QuantizedCache
+
+    name, *args = spec.split(":")
+    head_dim = factors.meta["head_dim"]
+    shared = {"sinks": sinks, "window": window, "block": block}
+    if name == "full":
+        model.set_attn_implementation("sdpa")
+        return lambda: DynamicCache(config=model.config)
+    if name == "hf-fp8":
+        model.set_attn_implementation("sdpa")
+        return lambda: QuantizedCache(backend="fp8", config=model.config)
+    enable_tale(model)
+    if name == "tale":
+        bits = [int(b) for b in args[1].split(",")] if len(args) > 1 else [8, 4, 2]
+        policy = Policy.from_budget(float(args[0]), bits, head_dim, **shared)
+    elif name == "lowrank":
+        policy = uniform_policy(int(args[0]), int(args[1]), **shared)
+    elif name == "quant":
+        factors, policy = identity_factors(model.config), uniform_policy(head_dim, int(args[0]), **shared)
+    else:
+        raise ValueError(
+            f"unknown method {spec!r}; to resolve, use full, tale:B, lowrank:R:BITS, quant:BITS or hf-fp8"
+        )
+    return lambda: TaleCache(factors, policy, model.config, model=model)
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of every tensor a cache's layers hold (storages, so views count in full); factors excluded."""
+    if isinstance(cache, TaleCache):
+        return cache.nbytes()
+    storages = {}
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def fp16_kv_bytes(config, tokens: int, batch: int = 1) -> int:
+    """What a plain fp16 KV cache of ``tokens`` tokens costs for ``config`` (the usual reference)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch
+
+
+def long_sequences(
+    tokenizer, length: int, count: int, offset: int, data: str = "sharegpt"
+) -> Iterator[torch.Tensor]:
+    """``count`` sequences of exactly ``length`` tokens: chat-formatted conversations after ``offset``, joined."""
+    from distill.sharegpt import iter_conversations
+
+    buffer: list[int] = []
+    made = 0
+    for messages in itertools.islice(iter_conversations(data), offset, None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        buffer += tokenizer(text, add_special_tokens=False).input_ids
+        while len(buffer) >= length and made < count:
+            yield torch.tensor([buffer[:length]])
+            buffer, made = buffer[length:], made + 1
+        if made == count:
+            return
+
+
+@torch.no_grad()
+def continuation_logits(model, ids: torch.Tensor, cache, prefix: int, chunk: int) -> torch.Tensor:
+    """Float32 logits predicting ``ids[:, prefix:]``: prefill ``ids[:, :prefix]``, then feed the rest in chunks."""
+    logits = [model(ids[:, :prefix], cache=cache, logits_to_keep=1).logits]
+    for i in range(prefix, ids.shape[1] - 1, chunk):
+        logits.append(model(ids[:, i : min(i + chunk, ids.shape[1] - 1)], cache=cache).logits)
+    return torch.cat(logits, dim=1).float()
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Summed NLL, summed KL(ref ‖ logits) and top-1 agreements over positions (and the count)."""
+    logp, ref_logp = F.log_softmax(logits, -1), F.log_softmax(ref, -1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    agree = (logits.argmax(-1) == ref.argmax(-1)).float()
+    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": float(agree.sum()), "n": targets.numel()}
+
+
+@torch.no_grad()
+def decode_step_seconds(model, ids: torch.Tensor, cache, steps: int) -> list[float]:
+    """Prefill ``ids`` then time ``steps`` single-token greedy decode steps (seconds each)."""
+    out = model(ids, cache=cache, logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(token, cache=cache)
+        times.append(time.perf_counter() - start)
+        token = out.logits[:, -1:].argmax(-1)
+    return times

@@ -1,0 +1,160 @@
+"""Benchmark TALE against simple KV-cache baselines on held-out ShareGPT text (memory / quality / latency).
+
+Quality: each held-out sequence (ShareGPT conversations after kvcompress.calibrate.HELDOUT_OFFSET, chat
+formatted and joined) is split into --prefix tokens (prefilled, then compressed) and a continuation fed in
+--chunk-token steps; perplexity, KL to the uncompressed model and top-1 agreement are measured on the
+continuation.  Memory: bytes the cache really holds at the end, as a ratio to an fp16 KV cache of the same
+tokens.  Latency: median decode-step time after prefilling --latency-contexts tokens, methods interleaved
+in every repeat, as a ratio to the full cache measured in the same run.
+
+examples:
+  python scripts/bench_kvcompress.py --model MODEL --factors out/kv --out out/bench_kv.json
+  python scripts/bench_kvcompress.py --model MODEL --factors out/kv --methods full,tale:0.25,quant:4 \\
+      --samples 2 --latency-contexts 2048 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from kvcompress.calibrate import HELDOUT_OFFSET
+from kvcompress.evaluate import (
+    compare,
+    continuation_logits,
+    decode_step_seconds,
+    fp16_kv_bytes,
+    kv_bytes,
+    long_sequences,
+    make_method,
+)
+from kvcompress.factors import load_factors
+
+DEFAULT_METHODS = "full,hf-fp8,quant:4,quant:2,lowrank:8:16,lowrank:16:16,lowrank:16:4,lowrank:24:4,tale:0.25,tale:0.375,tale:0.5"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--factors", required=True, help="factors directory from `kvcompress calibrate`")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list (see kvcompress.evaluate)")
+    p.add_argument("--samples", type=int, default=6, help="held-out sequences for quality")
+    p.add_argument("--prefix", type=int, default=1024, help="prefilled tokens per sequence")
+    p.add_argument("--continuation", type=int, default=256, help="scored tokens per sequence")
+    p.add_argument("--chunk", type=int, default=16, help="continuation tokens per forward")
+    p.add_argument("--latency-contexts", default="2048,4096,8192", help="comma list; empty to skip")
+    p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def quality(model, tok, factors, args) -> dict[str, dict]:
+    methods = args.methods.split(",")
+    seqs = list(long_sequences(tok, args.prefix + args.continuation, args.samples, HELDOUT_OFFSET))
+    totals = {
+        m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
+        for m in methods
+    }
+    for i, ids in enumerate(seqs):
+        targets = ids[:, args.prefix :]
+        ref = None
+        for m in methods:  # "full" first gives the reference logits for this sequence
+            factory = make_method(m, model, factors, args.sinks, args.window)
+            cache = factory()
+            start = time.perf_counter()
+            logits = continuation_logits(model, ids, cache, args.prefix, args.chunk)
+            totals[m]["seconds"] += time.perf_counter() - start
+            ref = logits if ref is None else ref
+            for k, v in compare(logits, ref, targets).items():
+                totals[m][k] += v
+            totals[m]["bytes"].append(kv_bytes(cache))
+            totals[m]["fp16"].append(fp16_kv_bytes(model.config, ids.shape[1] - 1))
+        print(f"  quality: sequence {i + 1}/{len(seqs)} done", file=sys.stderr, flush=True)
+    base_ppl = torch.tensor(totals[methods[0]]["nll"] / totals[methods[0]]["n"]).exp().item()
+    rows = {}
+    for m, t in totals.items():
+        ppl = torch.tensor(t["nll"] / t["n"]).exp().item()
+        rows[m] = {
+            "ppl": ppl,
+            "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
+            "kl": t["kl"] / t["n"],
+            "top1_agree": t["agree"] / t["n"],
+            "kv_bytes": statistics.median(t["bytes"]),
+            "ratio_vs_fp16": statistics.median(f / b for f, b in zip(t["fp16"], t["bytes"], strict=True)),
+            "seconds": t["seconds"],
+        }
+    return rows
+
+
+def latency(model, tok, factors, args) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    methods = args.latency_methods.split(",")
+    for ctx in [int(c) for c in args.latency_contexts.split(",") if c]:
+        ids = next(long_sequences(tok, ctx, 1, HELDOUT_OFFSET + 5000))
+        steps = {m: [] for m in methods}
+        for r in range(args.repeats):
+            for m in methods:  # interleaved A/B: every repeat runs every method once
+                cache = make_method(m, model, factors, args.sinks, args.window)()
+                steps[m].append(statistics.median(decode_step_seconds(model, ids, cache, args.decode_steps)))
+                print(
+                    f"  latency: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.1f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        base = statistics.median(steps[methods[0]])
+        for m in methods:
+            ms = statistics.median(steps[m])
+            out.setdefault(m, {})[str(ctx)] = {"ms": 1e3 * ms, "ratio_vs_" + methods[0]: ms / base}
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    factors = load_factors(args.factors)
+    factors.check_model(model.config, model)
+    q = quality(model, tok, factors, args)
+    lat = latency(model, tok, factors, args) if args.latency_contexts else {}
+
+    print(
+        f"\nquality: {args.samples} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
+    )
+    print(f"{'method':<16}{'KV x vs fp16':>13}{'ppl':>9}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
+    for m, r in q.items():
+        print(
+            f"{m:<16}{r['ratio_vs_fp16']:>13.2f}{r['ppl']:>9.3f}{r['ppl_increase_pct']:>9.2f}"
+            f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
+        )
+    if lat:
+        contexts = list(next(iter(lat.values())))
+        print("\ndecode ms/step (median; ratio vs first method)")
+        print(f"{'method':<16}" + "".join(f"{c:>18}" for c in contexts))
+        for m, per in lat.items():
+            cells = [f"{v['ms']:.1f} ({list(v.values())[1]:.2f}x)" for v in per.values()]
+            print(f"{m:<16}" + "".join(f"{c:>18}" for c in cells))
+    if args.out:
+        from swiftkv.artifacts import write_json_atomic
+
+        write_json_atomic(
+            args.out, {"args": vars(args), "quality": q, "latency": lat, "anchor": "TALE paper: 9.1x"}
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
