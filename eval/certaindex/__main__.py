@@ -1,8 +1,9 @@
 """``python -m eval.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
 
 Per-problem results go to ``OUT.partial`` as they finish (one JSON line each, after a header line with the
-options), so an interrupted run resumes where it stopped; when every problem is done the file is renamed to
-``OUT`` and a summary is written beside it as ``OUT.summary.json``.
+options), so an interrupted run resumes where it stopped; when every problem is done ``OUT`` is written
+(records only, problem order, temp file + rename), the partial file removed, and a summary written beside it
+as ``OUT.summary.json``.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ def run_resumable(
             sink.write(json.dumps(record) + "\n")
             sink.flush()
             done[problem.id] = record
-    os.replace(partial, out)
-    return [done[p.id] for p in problems]
+    records = [done[p.id] for p in problems]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, out)
+    partial.unlink()
+    return records
 
 
 def _summary(records: list[dict], keys: tuple[str, ...]) -> dict:
