@@ -190,7 +190,7 @@ def _compiled() -> dict[int, Callable] | None:
         import numba
     except ImportError:
         return None
-    return _build(numba.njit(cache=False))
+    return _build(numba.njit(cache=True))
 
 
 def compiled_available() -> bool:

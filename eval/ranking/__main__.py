@@ -1,0 +1,181 @@
+"""``python -m eval.ranking``: traces, train, evaluate, calibrate, simulate (thin argparse over the functions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Literal, get_args, get_origin
+
+EPILOG = """examples:
+  python -m eval.ranking traces MODEL out/traces --data sharegpt --n 2000 --max-new-tokens 512
+  python -m eval.ranking train out/traces out/ranker --kind swiftkv-head            # x_{L//2} of the traces' model
+  python -m eval.ranking train out/traces out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
+  python -m eval.ranking train out/traces out/ranker-cls --objective buckets         # classification baseline
+  python -m eval.ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
+  python -m eval.ranking calibrate MODEL out/cost.json                               # measured step times
+  python -m eval.ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
+"""
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import TrainConfig
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.ranking",
+        description="Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "traces", help="sample (prompt, output length) pairs from the target model (resumable)"
+    )
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--data", default="sharegpt", help="`sharegpt` or a JSONL of conversations")
+    p.add_argument("--n", type=int, default=2000, help="prompts in total (a rerun continues to this count)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="length cap (the label cap)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("train", help="train a ranker on the training split and export it")
+    p.add_argument("traces", help="traces directory or JSONL with `prompt` and `output_len`")
+    p.add_argument("out")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    for name, field in TrainConfig.model_fields.items():  # one flag per config field; pydantic validates
+        annotation = field.annotation
+        kind = (
+            int if annotation in (int, int | None) else float if annotation in (float, float | None) else str
+        )
+        choices = get_args(annotation) if get_origin(annotation) is Literal else None
+        help_text = f"{field.description or ''} (default {field.default})".strip()
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=kind, choices=choices, default=None, help=help_text
+        )
+
+    p = sub.add_parser("evaluate", help="Kendall's tau on held-out prompts (or --split all for new traces)")
+    p.add_argument("ranker")
+    p.add_argument("traces")
+    p.add_argument("--split", choices=["held-out", "all"], default="held-out")
+    p.add_argument("--out", help="also write the result as JSON")
+
+    p = sub.add_parser(
+        "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
+    )
+    p.add_argument("model")
+    p.add_argument("out", help="JSON file")
+    p.add_argument("--repeats", type=int, default=3)
+
+    p = sub.add_parser("simulate", help="latency/throughput of FCFS, LTR-SJF and oracle SJF at Poisson rates")
+    p.add_argument("ranker")
+    p.add_argument("traces")
+    p.add_argument("--rate", type=_csv(float), default=[2.0, 8.0, 32.0], help="requests/s, comma separated")
+    p.add_argument("--policy", type=_csv(str), default=["fcfs", "ltr", "oracle"])
+    p.add_argument(
+        "--requests", type=int, default=500, help="requests per rate (sampled from held-out traces)"
+    )
+    p.add_argument("--cost-model", help="JSON from `calibrate` (default: SmolLM2 on a 2-core CPU)")
+    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--starvation-threshold", type=int, default=200)
+    p.add_argument("--quantum", type=int, default=10)
+    p.add_argument("--split", choices=["held-out", "all"], default="held-out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the results as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from swiftkv.artifacts import write_json_atomic
+
+    try:
+        if args.command == "traces":
+            from .traces import generate_traces
+
+            path = generate_traces(
+                args.model,
+                args.out,
+                args.data,
+                args.n,
+                args.max_new_tokens,
+                args.max_prompt_tokens,
+                args.batch_size,
+                args.temperature,
+                args.seed,
+                args.dtype,
+            )
+            print(path)
+        elif args.command == "train":
+            from .train import TrainConfig, train_ranker
+
+            options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
+            print(train_ranker(args.traces, args.out, TrainConfig(**options), force=args.force))
+        elif args.command == "evaluate":
+            from .train import evaluate_ranker
+
+            result = evaluate_ranker(args.ranker, args.traces, args.split)
+            print(json.dumps(result, indent=2))
+            if args.out:
+                write_json_atomic(args.out, result)
+        elif args.command == "calibrate":
+            from dataclasses import asdict
+
+            from .simulator import calibrate_cost_model
+
+            cost = calibrate_cost_model(args.model, args.repeats)
+            write_json_atomic(args.out, {**asdict(cost), "model": args.model})
+            print(json.dumps(asdict(cost)))
+        else:
+            _simulate(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _simulate(args) -> None:
+    import numpy as np
+
+    from swiftkv.artifacts import write_json_atomic
+
+    from .predictors import Ranker
+    from .simulator import CostModel, SimConfig, results_json, results_table, run_policies
+    from .train import held_out_traces
+
+    traces = held_out_traces(args.ranker, args.traces, args.split)
+    scores = Ranker(args.ranker).score([t.prompt for t in traces], progress=True)
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    config = SimConfig(args.token_budget, args.max_batch, args.starvation_threshold, args.quantum)
+    results = run_policies(
+        np.array([t.prompt_len for t in traces]),
+        np.array([t.output_len for t in traces]),
+        scores,
+        args.rate,
+        args.policy,
+        args.requests,
+        cost,
+        config,
+        args.seed,
+    )
+    print(results_table(results))
+    if args.out:
+        write_json_atomic(
+            args.out,
+            {"cost_model": cost.__dict__, "config": config.__dict__, "results": results_json(results)},
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

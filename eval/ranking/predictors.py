@@ -1,0 +1,209 @@
+"""The two ranking predictors and the exported directory a serving scheduler loads.
+
+* ``small-lm`` (the paper's design): a separate small LM with a scalar head —
+  ``AutoModelForSequenceClassification`` with ``num_labels=1`` (the last prompt token's state), optionally
+  cut to its first N layers to make it cheaper.
+* ``swiftkv-head`` (beyond the paper): a two-layer MLP on the served model's own hidden state x_l entering
+  layer ``l`` (the SwiftKV layer input, which SwiftKV prefill computes anyway), pooled as
+  [mean over prompt tokens except the first (an attention sink with outsized norm), last token] and
+  standardized with training statistics.  Features come from ``hidden_states[l]`` of the model loaded with
+  only ``l + 1`` layers (equal to the full model's ``hidden_states[l]``), so no SwiftKV class is needed.
+
+Either can instead be a bucket classifier (objective ``buckets``), the baseline the paper compares with.
+An exported ranker is ``ranker.json`` (score semantics, labels, options) + tokenizer + weights
+(the small LM via ``save_pretrained``; the head as ``head.safetensors``, reading x_l of ``target_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from .listmle import bucket_score
+
+RANKER_FILE = "ranker.json"
+HEAD_FILE = "head.safetensors"
+SCORE_SEMANTICS = (
+    "higher score = shorter expected output; serve in descending score. "
+    "Trained on labels cap//bin - min(cap, output_len)//bin."
+)
+
+
+class RankerSpec(BaseModel):
+    """Everything needed to rebuild a ranker; written as ``ranker.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["small-lm", "swiftkv-head"]
+    objective: Literal["listmle", "buckets"]
+    label_cap: int
+    label_bin: int
+    max_prompt_tokens: int
+    bucket_edges: list[float] | None = None
+    layer: int | None = None
+    target_model: str | None = None
+    head_hidden: int | None = None
+    feature_dim: int | None = None
+    score: str = SCORE_SEMANTICS
+
+    @property
+    def outputs(self) -> int:
+        return 1 if self.objective == "listmle" else len(self.bucket_edges or []) + 1
+
+
+def default_layer(model_dir: str | os.PathLike) -> int:
+    """L // 2, the usual SwiftKV layer (SwiftKV skips the second half of the layers for prompt tokens)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).num_hidden_layers // 2
+
+
+class HiddenStateFeatures:
+    """Pooled x_l of a served model for chat-templated prompts (what its prefill computes anyway)."""
+
+    def __init__(self, model_dir: str | os.PathLike, layer: int, max_prompt_tokens: int, dtype=torch.float32):
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+        n_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        if not 0 < layer < n_layers:
+            raise ValueError(
+                f"layer={layer} must be in 1..{n_layers - 1} for {model_dir}; to resolve, pass --layer"
+            )
+        self.layer, self.max_prompt_tokens = layer, max_prompt_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
+        self.model = AutoModel.from_pretrained(model_dir, num_hidden_layers=layer + 1, dtype=dtype).eval()
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+            for p in prompts
+        ]
+        return self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.max_prompt_tokens,
+            add_special_tokens=False,
+        )
+
+    @staticmethod
+    def pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[mean over tokens after the first real one, last token] of left-padded (b, t, H) states."""
+        body = mask.clone()
+        body[torch.arange(len(mask)), mask.argmax(-1)] = 0  # drop each row's first real token
+        body = body.to(hidden.dtype)
+        mean = (hidden * body[..., None]).sum(1) / body.sum(1, keepdim=True).clamp(min=1)
+        return torch.cat([mean, hidden[:, -1]], dim=-1).float()
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], batch_size: int = 8, progress: bool = False) -> torch.Tensor:
+        from tqdm import tqdm
+
+        out = []
+        for i in tqdm(range(0, len(prompts), batch_size), desc=f"x_{self.layer}", disable=not progress):
+            enc = self.encode(prompts[i : i + batch_size])
+            hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
+            out.append(self.pool(hidden, enc["attention_mask"]))
+        return torch.cat(out) if out else torch.empty(0, 2 * self.model.config.hidden_size)
+
+
+class SwiftKVHead(nn.Module):
+    """Standardize pooled x_l, then Linear-GELU-Linear to ``outputs`` (1 score or bucket logits)."""
+
+    def __init__(self, feature_dim: int, hidden: int, outputs: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(feature_dim))
+        self.register_buffer("std", torch.ones(feature_dim))
+        self.mlp = nn.Sequential(nn.Linear(feature_dim, hidden), nn.GELU(), nn.Linear(hidden, outputs))
+
+    def fit_normalizer(self, features: torch.Tensor) -> None:
+        self.mean.copy_(features.mean(0))
+        self.std.copy_(features.std(0).clamp(min=1e-6))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.mlp((features - self.mean) / self.std)
+
+
+def load_small_lm(backbone: str | os.PathLike, outputs: int, layers: int | None = None):
+    """(tokenizer, sequence-classification model) from any causal LM dir, optionally cut to ``layers``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(backbone, padding_side="right", truncation_side="right")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    model = AutoModelForSequenceClassification.from_pretrained(
+        backbone, num_labels=outputs, pad_token_id=tokenizer.pad_token_id, **overrides
+    )
+    return tokenizer, model
+
+
+def small_lm_logits(tokenizer, model, prompts: list[str], max_prompt_tokens: int) -> torch.Tensor:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_tokens)
+    return model(**enc).logits
+
+
+def to_scores(spec: RankerSpec, logits: torch.Tensor) -> torch.Tensor:
+    """Raw outputs -> scores (higher = shorter) for either objective."""
+    return logits[:, 0] if spec.objective == "listmle" else bucket_score(logits)
+
+
+class Ranker:
+    """A loaded ranker: ``score(prompts)``; a server with x_l at hand calls ``score_hidden`` instead."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        spec_file = path / RANKER_FILE
+        if not spec_file.is_file():
+            raise FileNotFoundError(
+                f"{spec_file} not found; to resolve, run `python -m eval.ranking train` first"
+            )
+        self.spec = RankerSpec.model_validate_json(spec_file.read_text())
+        if self.spec.kind == "small-lm":
+            self.tokenizer, self.model = load_small_lm(path, self.spec.outputs)
+            self.model.eval()
+        else:
+            self.head = SwiftKVHead(self.spec.feature_dim, self.spec.head_hidden, self.spec.outputs)
+            self.head.load_state_dict(load_file(path / HEAD_FILE))
+            self.head.eval()
+            self._features: HiddenStateFeatures | None = None
+
+    @torch.no_grad()
+    def score_hidden(self, hidden: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+        """Scores from x_l of shape (b, t, H) for left-padded prompts (swiftkv-head only)."""
+        return to_scores(self.spec, self.head(HiddenStateFeatures.pool(hidden, mask))).numpy()
+
+    @torch.no_grad()
+    def score(self, prompts: list[str], batch_size: int = 8, progress: bool = False) -> np.ndarray:
+        if self.spec.kind == "small-lm":
+            parts = [
+                to_scores(
+                    self.spec,
+                    small_lm_logits(
+                        self.tokenizer, self.model, prompts[i : i + batch_size], self.spec.max_prompt_tokens
+                    ),
+                )
+                for i in range(0, len(prompts), batch_size)
+            ]
+            return torch.cat(parts).numpy() if parts else np.empty(0, np.float32)
+        if self._features is None:
+            self._features = HiddenStateFeatures(
+                self.spec.target_model, self.spec.layer, self.spec.max_prompt_tokens
+            )
+        return to_scores(self.spec, self.head(self._features(prompts, batch_size, progress))).numpy()
+
+
+def save_spec(out_dir: Path, spec: RankerSpec) -> None:
+    (out_dir / RANKER_FILE).write_text(json.dumps(spec.model_dump(), indent=2) + "\n")

@@ -1,0 +1,228 @@
+"""Train a ranking predictor with ListMLE (or the bucket-classification baseline) and evaluate it.
+
+One short loop for both kinds: every mini-batch of ``list_size`` training prompts is one list.  For the
+``swiftkv-head`` the served model's pooled x_l is computed once (the model is frozen), so training the
+head takes seconds; the ``small-lm`` fine-tunes the whole small LM.  The held-out split is a seeded
+shuffle recorded in ``train.json``, so ``evaluate`` and ``simulate`` later score the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_provenance
+
+from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss
+from .predictors import (
+    HEAD_FILE,
+    HiddenStateFeatures,
+    Ranker,
+    RankerSpec,
+    SwiftKVHead,
+    default_layer,
+    load_small_lm,
+    save_spec,
+    small_lm_logits,
+    to_scores,
+)
+from .traces import Trace, load_traces, read_meta, split_traces
+
+log = logging.getLogger(__name__)
+TRAIN_FILE = "train.json"
+
+
+class TrainConfig(BaseModel):
+    """Options of ``python -m eval.ranking train``; defaults follow the paper where it has one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["small-lm", "swiftkv-head"] = "swiftkv-head"
+    objective: Literal["listmle", "buckets"] = Field(
+        "listmle", description="buckets = classification baseline"
+    )
+    target_model: str | None = Field(
+        None, description="served model (swiftkv-head); default: the traces' model"
+    )
+    layer: int | None = Field(None, description="x_l read by the swiftkv-head; default L // 2")
+    backbone: str | None = Field(None, description="small-lm backbone dir; default: the traces' model")
+    backbone_layers: int | None = Field(None, ge=1, description="keep only the first N backbone layers")
+    epochs: int = Field(5, ge=1)
+    lr: float | None = Field(None, gt=0, description="default 2e-5 (small-lm, paper) or 1e-3 (head)")
+    weight_decay: float = Field(0.01, ge=0)
+    list_size: int = Field(32, ge=2, description="prompts per ListMLE list (= mini-batch)")
+    max_prompt_tokens: int = Field(2048, ge=8)
+    label_cap: int | None = Field(None, ge=1, description="default: the traces' max_new_tokens")
+    label_bin: int = Field(10, ge=1)
+    buckets: int = Field(8, ge=2, description="classes of the bucket baseline (equal-mass length buckets)")
+    head_hidden: int = Field(256, ge=1)
+    held_out: float = Field(0.2, gt=0, lt=1)
+    batch_size: int = Field(8, ge=1, description="forward micro-batch inside a list")
+    seed: int = 0
+
+
+def _lists(n: int, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    order = rng.permutation(n)
+    return [chunk for chunk in np.array_split(order, max(1, n // size)) if len(chunk) >= 2]
+
+
+def _loss(spec: RankerSpec, logits: torch.Tensor, lengths: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+    if spec.objective == "listmle":
+        labels = torch.from_numpy(length_labels(lengths, spec.label_cap, spec.label_bin))
+        return listmle_loss(logits[:, 0], labels, gen)
+    classes = torch.from_numpy(np.searchsorted(np.asarray(spec.bucket_edges), lengths, side="right"))
+    return torch.nn.functional.cross_entropy(logits, classes, reduction="sum")
+
+
+def train_ranker(
+    traces_path: str | os.PathLike, out_dir: str | os.PathLike, config: TrainConfig, force: bool = False
+) -> Path:
+    """Train on the training split of ``traces_path``, export to ``out_dir``; return it."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    traces = load_traces(traces_path)
+    meta = read_meta(traces_path)
+    train, test = split_traces(traces, config.held_out, config.seed)
+    if len(train) < 2:
+        raise ValueError(f"{traces_path} has {len(traces)} traces; to resolve, generate more (at least ~10)")
+    lengths = np.array([t.output_len for t in train])
+    target = config.target_model or meta.get("model")
+    cap = config.label_cap or meta.get("max_new_tokens") or int(max(t.output_len for t in traces))
+    spec = RankerSpec(
+        kind=config.kind,
+        objective=config.objective,
+        label_cap=cap,
+        label_bin=config.label_bin,
+        max_prompt_tokens=config.max_prompt_tokens,
+        bucket_edges=bucket_edges(lengths, config.buckets).tolist()
+        if config.objective == "buckets"
+        else None,
+    )
+    torch.manual_seed(config.seed)
+    gen = torch.Generator().manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    prompts = [t.prompt for t in train]
+    if config.kind == "swiftkv-head":
+        if target is None:
+            raise ValueError("the traces name no model; to resolve, pass --target-model DIR")
+        spec.layer = config.layer if config.layer is not None else default_layer(target)
+        spec.target_model, spec.head_hidden = str(target), config.head_hidden
+        features = HiddenStateFeatures(target, spec.layer, spec.max_prompt_tokens)(
+            prompts, config.batch_size, True
+        )
+        spec.feature_dim = features.shape[1]
+        model = SwiftKVHead(spec.feature_dim, config.head_hidden, spec.outputs)
+        model.fit_normalizer(features)
+        lr = config.lr or 1e-3
+    else:
+        backbone = config.backbone or target
+        if backbone is None:
+            raise ValueError("no backbone for the small LM; to resolve, pass --backbone DIR")
+        tokenizer, model = load_small_lm(backbone, spec.outputs, config.backbone_layers)
+        lr = config.lr or 2e-5
+
+    def forward(batch: np.ndarray) -> torch.Tensor:
+        if config.kind == "swiftkv-head":
+            return model(features[torch.from_numpy(batch)])
+        parts = [
+            small_lm_logits(
+                tokenizer,
+                model,
+                [prompts[i] for i in batch[j : j + config.batch_size]],
+                spec.max_prompt_tokens,
+            )
+            for j in range(0, len(batch), config.batch_size)
+        ]
+        return torch.cat(parts)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=config.weight_decay)
+    history = []
+    model.train()
+    for epoch in range(config.epochs):
+        batches = _lists(len(train), config.list_size, rng)
+        total = 0.0
+        for batch in tqdm(
+            batches, desc=f"epoch {epoch + 1}/{config.epochs}", disable=config.kind != "small-lm"
+        ):
+            loss = _loss(spec, forward(batch), lengths[batch], gen)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item() / len(batch)
+        history.append({"epoch": epoch + 1, "loss_per_item": total / len(batches)})
+        log.info("epoch %d: loss/item %.4f", epoch + 1, history[-1]["loss_per_item"])
+    model.eval()
+    with torch.no_grad():
+        train_scores = torch.cat(
+            [to_scores(spec, forward(b)) for b in np.array_split(np.arange(len(train)), 1 + len(train) // 64)]
+        )
+    train_tau = kendall_tau(train_scores.numpy(), length_labels(lengths, cap, spec.label_bin))
+
+    with atomic_output_dir(out_dir, force) as tmp:
+        save_spec(tmp, spec)
+        if config.kind == "swiftkv-head":
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / HEAD_FILE)
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        write_json_atomic(
+            tmp / TRAIN_FILE,
+            {
+                "traces": str(Path(traces_path).resolve()),
+                "n_train": len(train),
+                "n_held_out": len(test),
+                "config": config.model_dump(),
+                "lr": lr,
+                "history": history,
+                "train_tau": train_tau,
+            },
+        )
+        write_provenance(
+            tmp, "eval.ranking.train", traces=str(traces_path), kind=config.kind, objective=config.objective
+        )
+    return Path(out_dir)
+
+
+def held_out_traces(
+    ranker_dir: str | os.PathLike, traces_path: str | os.PathLike, split: str = "held-out"
+) -> list[Trace]:
+    """The prompts a ranker never saw: the recorded held-out split, or all traces for ``split="all"``."""
+    traces = load_traces(traces_path)
+    if split == "all":
+        return traces
+    info = json.loads((Path(ranker_dir) / TRAIN_FILE).read_text())
+    if Path(info["traces"]) != Path(traces_path).resolve():
+        log.info(
+            "traces differ from the training traces; the split is still the recorded seed's held-out part"
+        )
+    return split_traces(traces, info["config"]["held_out"], info["config"]["seed"])[1]
+
+
+def evaluate_ranker(
+    ranker_dir: str | os.PathLike, traces_path: str | os.PathLike, split: str = "held-out"
+) -> dict:
+    """Kendall's tau of the ranker on held-out prompts, beside the prompt-length heuristic and the oracle."""
+    ranker = Ranker(ranker_dir)
+    traces = held_out_traces(ranker_dir, traces_path, split)
+    labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
+    scores = ranker.score([t.prompt for t in traces], progress=True)
+    return {
+        "ranker": str(ranker_dir),
+        "kind": ranker.spec.kind,
+        "objective": ranker.spec.objective,
+        "n": len(traces),
+        "kendall_tau": kendall_tau(scores, labels),
+        "prompt_len_tau": kendall_tau([-t.prompt_len for t in traces], labels),
+        "oracle_tau": kendall_tau(labels, labels),
+    }

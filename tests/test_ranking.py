@@ -1,0 +1,224 @@
+"""Ranking predictor: ListMLE math, x_l features, training that learns, export round trips, traces, CLI."""
+
+import itertools
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eval.ranking.__main__ import main
+from eval.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss
+from eval.ranking.predictors import HiddenStateFeatures, Ranker
+from eval.ranking.traces import generate_traces, load_traces, split_traces
+from eval.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
+
+WORDS = ["short", "long", "tell", "me", "about", "cats", "dogs", "code", "please", "now", "why", "how"]
+SMOLLM2 = Path(os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 4-layer random Llama with a word-level tokenizer and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny")
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", "<eos>", "user", "assistant", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=1,
+        eos_token_id=2,
+        bos_token_id=None,
+        max_position_embeddings=128,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def synthetic_traces(tmp_path_factory, tiny_model) -> Path:
+    """Prompts whose reply length is set by the words `short`/`long`, plus random filler words."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("traces")
+    lines = []
+    for i in range(160):
+        n_long = int(rng.integers(0, 4))
+        words = (
+            ["long"] * n_long
+            + ["short"] * (3 - n_long)
+            + list(rng.choice(WORDS[2:], int(rng.integers(2, 6))))
+        )
+        rng.shuffle(words)
+        length = 10 + 40 * n_long + int(rng.integers(0, 10))
+        lines.append(
+            json.dumps(
+                {"prompt": " ".join(words), "output_len": length, "prompt_len": len(words) + 2, "id": i}
+            )
+        )
+    (path / "traces.jsonl").write_text("\n".join(lines) + "\n")
+    (path / "meta.json").write_text(json.dumps({"model": str(tiny_model), "max_new_tokens": 160}))
+    return path
+
+
+def test_listmle_equals_brute_force_plackett_luce():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(4, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([3.0, 1.0, 4.0, 2.0], dtype=torch.float64)
+    order = torch.argsort(labels, descending=True).tolist()
+    neg_log_p = -sum(scores[order[i]] - torch.logsumexp(scores[order[i:]], 0) for i in range(4))
+    assert listmle_loss(scores, labels).item() == pytest.approx(neg_log_p.item(), rel=1e-12)
+    # the probabilities of all 4! orders sum to one
+    total = sum(
+        math.exp(-listmle_loss(scores, torch.tensor(perm, dtype=torch.float64)).item())
+        for perm in itertools.permutations([3.0, 2.0, 1.0, 0.0])
+    )
+    assert total == pytest.approx(1.0, rel=1e-9)
+
+
+def test_listmle_ties_pick_one_consistent_order_and_gradient_flows():
+    scores = torch.tensor([0.3, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    options = set()
+    for seed in range(20):
+        options.add(round(listmle_loss(scores, labels, torch.Generator().manual_seed(seed)).item(), 6))
+    s = scores.detach()
+    expected = {
+        round((torch.logsumexp(s, 0) - s[a] + torch.logsumexp(s[[b, 2]], 0) - s[b]).item(), 6)
+        for a, b in [(0, 1), (1, 0)]
+    }
+    assert options == expected
+    listmle_loss(scores, labels).backward()
+    assert scores.grad[2] > 0  # the longest request is pushed down
+
+
+def test_kendall_tau_and_labels():
+    lengths = np.array([5, 100, 37, 9000, 250])
+    labels = length_labels(lengths, cap=8192)
+    assert labels.tolist() == [819 - 0, 819 - 10, 819 - 3, 0, 819 - 25]
+    assert kendall_tau(-lengths, labels) == pytest.approx(1.0)
+    assert kendall_tau(lengths, labels) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="bin=0"):
+        length_labels(lengths, 10, 0)
+    assert len(bucket_edges(np.arange(100), 4)) == 3
+
+
+def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, synthetic_traces):
+    from transformers import AutoModel
+
+    prompts = [t.prompt for t in load_traces(synthetic_traces)[:5]]
+    feats = HiddenStateFeatures(tiny_model, layer=2, max_prompt_tokens=64)
+    enc = feats.encode(prompts)
+    full = AutoModel.from_pretrained(tiny_model).eval()
+    with torch.no_grad():
+        x_l = full(**enc, output_hidden_states=True).hidden_states[2]
+    torch.testing.assert_close(
+        feats(prompts, batch_size=2), HiddenStateFeatures.pool(x_l, enc["attention_mask"])
+    )
+
+
+def test_swiftkv_head_learns_and_exports(tiny_model, synthetic_traces, tmp_path):
+    out = train_ranker(
+        synthetic_traces, tmp_path / "ranker", TrainConfig(epochs=40, list_size=16, head_hidden=64)
+    )
+    spec = json.loads((out / "ranker.json").read_text())
+    assert spec["layer"] == 2 and spec["kind"] == "swiftkv-head" and "higher score = shorter" in spec["score"]
+    result = evaluate_ranker(out, synthetic_traces)
+    assert result["n"] == 32 and result["kendall_tau"] > 0.5
+    # exported weights are the trained ones: the recorded training tau is reproduced from the directory
+    info = json.loads((out / TRAIN_FILE).read_text())
+    train = split_traces(load_traces(synthetic_traces), 0.2, 0)[0]
+    ranker = Ranker(out)
+    labels = length_labels([t.output_len for t in train], 160)
+    assert kendall_tau(ranker.score([t.prompt for t in train]), labels) == pytest.approx(
+        info["train_tau"], abs=1e-6
+    )
+    # a server that already holds x_l scores the same
+    enc = ranker._features.encode([t.prompt for t in train[:4]])
+    with torch.no_grad():
+        x_l = ranker._features.model(**enc, output_hidden_states=True).hidden_states[2]
+    np.testing.assert_allclose(
+        ranker.score_hidden(x_l, enc["attention_mask"]),
+        ranker.score([t.prompt for t in train[:4]]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_small_lm_and_bucket_baseline_train(tiny_model, synthetic_traces, tmp_path):
+    lm = TrainConfig(
+        kind="small-lm", epochs=6, lr=3e-3, list_size=16, backbone_layers=2, max_prompt_tokens=32
+    )
+    out = train_ranker(synthetic_traces, tmp_path / "lm", lm)
+    info = json.loads((out / TRAIN_FILE).read_text())
+    assert info["history"][-1]["loss_per_item"] < info["history"][0]["loss_per_item"]
+    assert Ranker(out).model.config.num_hidden_layers == 2
+    assert evaluate_ranker(out, synthetic_traces)["kendall_tau"] > 0.3
+    cls = train_ranker(
+        synthetic_traces, tmp_path / "cls", TrainConfig(objective="buckets", buckets=4, epochs=40)
+    )
+    ranker = Ranker(cls)
+    assert ranker.spec.outputs == len(ranker.spec.bucket_edges) + 1
+    assert evaluate_ranker(cls, synthetic_traces)["kendall_tau"] > 0.3
+
+
+def test_trace_generation_resumes_and_refuses_other_options(tiny_model, tmp_path):
+    data = tmp_path / "convs.jsonl"
+    rows = [
+        {"conversations": [{"from": "human", "value": " ".join(WORDS[i % 5 : i % 5 + 3])}]} for i in range(12)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "traces"
+    file = generate_traces(tiny_model, out, data=data, n=4, max_new_tokens=6, batch_size=3)
+    first = load_traces(file)
+    assert len(first) == 4 and all(1 <= t.output_len <= 6 for t in first)
+    with open(file, "a") as f:
+        f.write('{"prompt": "torn li')  # a crash mid-line
+    generate_traces(tiny_model, out, data=data, n=7, max_new_tokens=6, batch_size=3)
+    again = load_traces(file)
+    assert len(again) == 7 and again[:4] == first
+    assert [t.prompt for t in again] == [r["conversations"][0]["value"] for r in rows[:7]]
+    with pytest.raises(ValueError, match="other options"):
+        generate_traces(tiny_model, out, data=data, n=8, max_new_tokens=9)
+
+
+def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, capsys):
+    assert main(["train", str(synthetic_traces), str(tmp_path / "r"), "--epochs", "2", "--layer", "1"]) == 0
+    assert (
+        main(["evaluate", str(tmp_path / "r"), str(synthetic_traces), "--out", str(tmp_path / "e.json")]) == 0
+    )
+    assert json.loads((tmp_path / "e.json").read_text())["n"] == 32
+    assert main(["train", str(synthetic_traces), str(tmp_path / "r"), "--epochs", "2"]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    assert "to resolve" in capsys.readouterr().err
+    assert main(["train", str(synthetic_traces), str(tmp_path / "y"), "--layer", "9"]) == 2
+    assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2 not fetched (python scripts/fetch_assets.py)")
+def test_smollm2_head_features_at_the_swiftkv_layer():
+    feats = HiddenStateFeatures(SMOLLM2, layer=15, max_prompt_tokens=64)
+    assert feats.model.config.num_hidden_layers == 16
+    x = feats(["Write a haiku.", "Explain quicksort in detail with code."])
+    assert x.shape == (2, 2 * 576) and torch.isfinite(x).all()

@@ -1,0 +1,112 @@
+"""Scheduler simulator: hand-computed FCFS/SJF schedules, chunked prefill, the starvation guard, load behaviour."""
+
+import numpy as np
+import pytest
+
+from eval.ranking.simulator import (
+    CostModel,
+    SimConfig,
+    poisson_arrivals,
+    results_table,
+    run_policies,
+    simulate,
+    summarize,
+)
+
+UNIT = CostModel(base=1.0, prefill_token=0.0, decode_token=0.0)  # every iteration takes 1 s
+
+
+def test_one_token_budget_fcfs_vs_sjf_by_hand():
+    # A (3 tokens) and B (1 token) both arrive at 0; budget 1 token: one request per iteration
+    arrival, prompt, out, score = np.zeros(2), np.ones(2, int), np.array([3, 1]), np.array([0.0, 1.0])
+    cfg = SimConfig(token_budget=1)
+    assert simulate(arrival, prompt, out, score, "fcfs", UNIT, cfg).tolist() == [3.0, 4.0]
+    assert simulate(arrival, prompt, out, score, "ltr", UNIT, cfg).tolist() == [4.0, 1.0]
+    assert simulate(arrival, prompt, out, score, "oracle", UNIT, cfg).tolist() == [4.0, 1.0]
+    # a wrong prediction makes LTR behave like the bad order
+    assert simulate(arrival, prompt, out, -score, "ltr", UNIT, cfg).tolist() == [3.0, 4.0]
+
+
+def test_preemption_and_batching_by_hand():
+    # A (4 tokens) at 0, B (1 token) at 1.5; max one sequence per iteration
+    arrival, prompt, out = np.array([0.0, 1.5]), np.ones(2, int), np.array([4, 1])
+    cfg = SimConfig(token_budget=8, max_batch=1)
+    # SJF preempts A at the iteration starting at t=2 (B arrived during the 2nd iteration)
+    assert simulate(arrival, prompt, out, np.array([0.0, 1.0]), "oracle", UNIT, cfg).tolist() == [5.0, 3.0]
+    assert simulate(arrival, prompt, out, np.array([0.0, 1.0]), "fcfs", UNIT, cfg).tolist() == [4.0, 5.0]
+    # with room for both they share iterations and nobody waits
+    both = SimConfig(token_budget=8, max_batch=2)
+    assert simulate(arrival, prompt, out, np.array([0.0, 1.0]), "fcfs", UNIT, both).tolist() == [4.0, 3.0]
+
+
+def test_chunked_prefill_and_cost_model_by_hand():
+    # prompt of 5 tokens, budget 2: prefill takes 3 iterations (2+2+1), the 3rd emits the first of 2 tokens
+    cost = CostModel(base=1.0, prefill_token=0.5, decode_token=0.25)
+    finish = simulate(
+        np.zeros(1), np.array([5]), np.array([2]), np.zeros(1), "fcfs", cost, SimConfig(token_budget=2)
+    )
+    assert finish.tolist() == [2.0 + 2.0 + 1.5 + 1.25]
+
+
+def test_starvation_guard_promotes_after_threshold_for_quantum():
+    # a long job with the worst score, one short job arriving every second
+    n_short = 40
+    arrival = np.concatenate([[0.0], np.arange(n_short, dtype=float)])
+    out = np.array([10] + [1] * n_short)
+    score = np.array([-5.0] + [1.0] * n_short)
+    prompt = np.ones(n_short + 1, int)
+    guarded = simulate(
+        arrival, prompt, out, score, "ltr", UNIT, SimConfig(1, 8, starvation_threshold=3, quantum=2)
+    )
+    # idle 3 iterations -> runs 2 -> idle 3 -> ...: runs at iterations 4,5,9,10,...,24,25
+    assert guarded[0] == 25.0
+    assert guarded[1:6].tolist() == [1.0, 2.0, 3.0, 6.0, 7.0]
+    unguarded = simulate(
+        arrival, prompt, out, score, "ltr", UNIT, SimConfig(1, 8, starvation_threshold=10_000)
+    )
+    assert unguarded[0] == n_short + 10.0
+    # fcfs never reads the guard
+    assert simulate(arrival, prompt, out, score, "fcfs", UNIT, SimConfig(1, 8, 3, 2))[0] == 10.0
+
+
+def test_sjf_beats_fcfs_under_load_and_matches_at_low_load():
+    rng = np.random.default_rng(0)
+    out = rng.integers(1, 400, 300)
+    prompt = rng.integers(10, 200, 300)
+    cost = CostModel()
+    perfect = -out.astype(float)
+    high = {
+        r.policy: r for r in run_policies(prompt, out, perfect, [50.0], ["fcfs", "ltr", "oracle"], 300, cost)
+    }
+    assert high["oracle"].mean_latency_s < 0.85 * high["fcfs"].mean_latency_s
+    assert high["oracle"].mean_latency_per_token_s < 0.5 * high["fcfs"].mean_latency_per_token_s
+    # the guard costs some mean latency under overload; without it a perfect predictor is the oracle
+    assert high["oracle"].mean_latency_s < high["ltr"].mean_latency_s < high["fcfs"].mean_latency_s
+    no_guard = SimConfig(starvation_threshold=10**9)
+    ltr = run_policies(prompt, out, perfect, [50.0], ["ltr", "oracle"], 300, cost, no_guard)
+    assert ltr[0].mean_latency_s == ltr[1].mean_latency_s
+    # a random predictor is no better than FCFS by much
+    noise = {
+        r.policy: r for r in run_policies(prompt, out, rng.random(300), [50.0], ["fcfs", "ltr"], 300, cost)
+    }
+    assert noise["ltr"].mean_latency_s > 0.8 * noise["fcfs"].mean_latency_s
+    low = {
+        r.policy: r
+        for r in run_policies(prompt, out, -out.astype(float), [0.01], ["fcfs", "oracle"], 50, cost)
+    }
+    assert low["oracle"].mean_latency_s == pytest.approx(low["fcfs"].mean_latency_s, rel=1e-9)
+    assert "vs fcfs" in results_table(list(high.values()))
+
+
+def test_summary_and_input_checks():
+    r = summarize("fcfs", 1.0, np.array([0.0, 1.0]), np.array([2, 4]), np.array([2.0, 5.0]), 0.0)
+    assert r.mean_latency_s == 3.0 and r.mean_latency_per_token_s == 1.0 and r.throughput_tok_s == 6 / 5
+    with pytest.raises(ValueError, match="rate=0"):
+        poisson_arrivals(3, 0)
+    with pytest.raises(ValueError, match="policy 'sjf'"):
+        simulate(np.zeros(1), np.ones(1), np.ones(1), np.zeros(1), "sjf")
+    with pytest.raises(ValueError, match="sorted"):
+        simulate(np.array([1.0, 0.0]), np.ones(2), np.ones(2), np.zeros(2), "fcfs")
+    with pytest.raises(ValueError, match="token-budget"):
+        SimConfig(token_budget=0)
+    assert np.all(np.diff(poisson_arrivals(100, 5.0)) > 0)
