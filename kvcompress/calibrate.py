@@ -134,6 +134,7 @@ def calibrate(
     bits: Sequence[int | None] = (8, 4, 2),
     sinks: int = 4,
     window: int = 64,
+    block: int = 32,
     force: bool = False,
     checkpoint_every: int = 32,
     progress: bool = True,
@@ -142,17 +143,19 @@ def calibrate(
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from distill.sharegpt import resolve_data_path
     from swiftkv.artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
 
     if samples < 1 or max_length < 2:
         raise ValueError(
             f"samples={samples}, max_length={max_length}; to resolve, pass samples >= 1 and max_length >= 2"
         )
-    check_destination(out_dir, force)
     config = AutoConfig.from_pretrained(model_dir)
     policy = Policy.from_budget(
-        rank_budget, list(bits), model_signature(config)["head_dim"], sinks=sinks, window=window
+        rank_budget, list(bits), model_signature(config)["head_dim"], sinks=sinks, window=window, block=block
     )
+    check_destination(out_dir, force)
+    resolve_data_path(data)
     options = {"data": str(data), "samples": samples, "max_length": max_length}
     partial = Path(out_dir).parent / f".{Path(out_dir).name}.calibrate-partial.pt"
     state = torch.load(partial, weights_only=False) if partial.is_file() else None

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept exact (default: 4)")
     cal.add_argument("--window", type=int, default=64, help="recent tokens kept exact (default: 64)")
+    cal.add_argument(
+        "--block", type=int, default=32, help="compress once this many tokens left the window (default: 32)"
+    )
     cal.add_argument("--force", action="store_true", help="replace a non-empty out_dir")
     return parser
 
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             bits=args.bits,
             sinks=args.sinks,
             window=args.window,
+            block=args.block,
             force=args.force,
         )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
