@@ -1,0 +1,210 @@
+"""On-disk suffix caches: a versioned directory holding a pre-built global tree, and the vLLM config export.
+
+Layout (format version 1)::
+
+    suffix_cache.json   format, version, SpecConfig, tokenizer fingerprint, sha256 of tree.npz, sizes
+    tree.npz            the compressed tree as flat arrays (nodes in parent-before-child order) and the
+                        token arrays the nodes point into; loading rebuilds the nodes without re-inserting
+                        suffixes, so it costs O(nodes), not O(tokens * depth)
+    provenance.json     what built it (swiftkv.artifacts)
+
+A cache is only valid for the tokenizer it was built with, so the tokenizer's vocabulary is fingerprinted and
+checked on load; a tree file whose hash or structure does not check out is refused as corrupt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_provenance
+
+from .cache import SpecConfig, SuffixCache
+from .tree import SuffixTree, _Node
+
+FORMAT = "swiftkv-suffix-cache"
+VERSION = 1
+META_FILE = "suffix_cache.json"
+TREE_FILE = "tree.npz"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the vocabulary (token -> id) and the special-token ids."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted((k, v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)),
+    }
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
+    """Flatten a tree; ``order`` lists the live sequence ids to store first (FIFO order)."""
+    import numpy as np
+
+    arrays: list[array] = [tree.seqs[i] for i in order]
+    index = {id(a): k for k, a in enumerate(arrays)}
+    parent, count, length, ref, end = [-1], [tree.root.count], [0], [-1], [0]
+    queue: deque[tuple[_Node, int]] = deque([(tree.root, 0)])
+    while queue:
+        node, idx = queue.popleft()
+        for child in node.children.values():
+            if id(child.ref) not in index:
+                index[id(child.ref)] = len(arrays)
+                arrays.append(child.ref)
+            parent.append(idx)
+            count.append(child.count)
+            length.append(child.length)
+            ref.append(index[id(child.ref)])
+            end.append(child.end)
+            queue.append((child, len(parent) - 1))
+    offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
+    tokens = (
+        np.concatenate([np.frombuffer(a, dtype=np.int32) for a in arrays])
+        if arrays
+        else np.zeros(0, np.int32)
+    )
+    return {
+        "max_depth": np.int64(tree.max_depth),
+        "seq_ids": np.array(order, dtype=np.int64),
+        "offsets": offsets,
+        "tokens": tokens.astype(np.int32),
+        "parent": np.array(parent, dtype=np.int64),
+        "count": np.array(count, dtype=np.int64),
+        "length": np.array(length, dtype=np.int64),
+        "ref": np.array(ref, dtype=np.int64),
+        "end": np.array(end, dtype=np.int64),
+    }
+
+
+def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
+    """Inverse of :func:`tree_to_arrays`; raises ValueError on any inconsistency."""
+    offsets, tokens = data["offsets"].tolist(), data["tokens"]
+    arrays = [
+        array("i", tokens[a:b].astype("int32").tobytes())
+        for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+    ]
+    seq_ids = data["seq_ids"].tolist()
+    if len(seq_ids) > len(arrays) or len(tokens) != (offsets[-1] if offsets else 0):
+        raise ValueError("sequence table does not match the token array")
+    tree = SuffixTree(int(data["max_depth"]))
+    tree.seqs = dict(zip(seq_ids, arrays[: len(seq_ids)], strict=True))
+    nodes = [tree.root]
+    tree.root.count = int(data["count"][0])
+    columns = [data[k].tolist() for k in ("parent", "count", "length", "ref", "end")]
+    for i, (p, c, n, r, e) in enumerate(zip(*columns, strict=True)):
+        if i == 0:
+            continue
+        if not (0 <= p < i and 0 <= r < len(arrays) and 1 <= n <= e <= len(arrays[r]) and c >= 1):
+            raise ValueError(
+                f"node {i} is inconsistent (parent {p}, ref {r}, length {n}, end {e}, count {c})"
+            )
+        node = _Node(c, n, arrays[r], e, nodes[p])
+        nodes[p].children[node.token()] = node
+        nodes.append(node)
+    return tree
+
+
+def save_cache(
+    cache: SuffixCache, out: str | os.PathLike, tokenizer, force: bool = False, **provenance
+) -> Path:
+    """Write ``cache``'s global tree and config as a complete-or-absent directory."""
+    import numpy as np
+
+    with atomic_output_dir(out, force) as tmp:
+        np.savez(tmp / TREE_FILE, **tree_to_arrays(cache.global_tree, list(cache._fifo)))
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": cache.config.model_dump(),
+            "tokenizer": {
+                "fingerprint": tokenizer_fingerprint(tokenizer),
+                "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+                "vocab_size": len(tokenizer),
+            },
+            "num_responses": cache.num_responses,
+            "num_tokens": sum(len(s) for s in cache.global_tree.seqs.values()),
+            "tree_sha256": _sha256(tmp / TREE_FILE),
+        }
+        write_json_atomic(tmp / META_FILE, meta)
+        write_provenance(tmp, "eval.suffix build", **provenance)
+    return Path(out)
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The cache's metadata, checked for format and version."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{meta_path} not found; to resolve, build one with `python -m eval.suffix build`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_path} is corrupt ({e}); to resolve, rebuild the cache") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"{meta_path} has format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} "
+            f"version {VERSION}; to resolve, rebuild the cache with this version"
+        )
+    return meta
+
+
+def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | None = None) -> SuffixCache:
+    """Load a cache; with ``tokenizer``, refuse one built with another tokenizer.
+
+    ``config`` overrides the stored speculation settings (its ``max_depth`` must equal the stored one).
+    """
+    import numpy as np
+
+    path = Path(path)
+    meta = read_meta(path)
+    if tokenizer is not None:
+        want, have = meta["tokenizer"]["fingerprint"], tokenizer_fingerprint(tokenizer)
+        if want != have:
+            raise ValueError(
+                f"suffix cache {path} was built with tokenizer {meta['tokenizer']['name_or_path']!r} "
+                f"(fingerprint {want[:12]}), but this tokenizer ({getattr(tokenizer, 'name_or_path', '?')!r}) is "
+                f"{have[:12]}; to resolve, rebuild the cache with --model set to this model"
+            )
+    tree_path = path / TREE_FILE
+    if not tree_path.is_file() or _sha256(tree_path) != meta["tree_sha256"]:
+        raise ValueError(
+            f"{tree_path} is missing or corrupt (sha256 mismatch); to resolve, rebuild the cache"
+        )
+    try:
+        with np.load(tree_path) as data:
+            tree = tree_from_arrays({k: data[k] for k in data.files})
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{tree_path} is corrupt ({e}); to resolve, rebuild the cache") from e
+    return SuffixCache(config or SpecConfig(**meta["config"]), tree)
+
+
+VLLM_KEYS = {
+    "num_speculative_tokens": "max_spec",
+    "suffix_decoding_max_tree_depth": "max_depth",
+    "suffix_decoding_max_spec_factor": "factor",
+    "suffix_decoding_min_token_prob": "min_token_prob",
+    "suffix_decoding_max_cached_requests": "max_cached_requests",
+}
+
+
+def vllm_speculative_config(config: SpecConfig) -> dict[str, Any]:
+    """vLLM ``speculative_config`` for method "suffix" with the same settings.
+
+    vLLM has no offset or tree-mode setting and cannot preload a global tree: it starts empty and fills it
+    with the responses it serves.
+    """
+    return {"method": "suffix", **{key: getattr(config, attr) for key, attr in VLLM_KEYS.items()}}
