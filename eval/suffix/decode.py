@@ -29,6 +29,7 @@ class GenerationStats:
     tokens: list[int] = field(default_factory=list)
     steps: int = 0  # decoding forward passes (prefill excluded)
     drafted: int = 0
+    refed: int = 0  # accepted tree-draft tokens laid out after a rejected branch, fed again next step
     speculate_s: float = 0.0
     speculate_calls: int = 0
     append_s: float = 0.0
@@ -192,6 +193,7 @@ def speculative_generate(
         stats.tokens.extend(new)
         stats.steps += 1
         stats.drafted += len(draft.tokens)
+        stats.refed += len(accepted) - contiguous
         if suffix_cache is not None:
             t0 = time.perf_counter()
             suffix_cache.append(request_id, new)

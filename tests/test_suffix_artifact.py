@@ -1,0 +1,148 @@
+"""Suffix cache artifacts: exact save/load round trip, tokenizer and corruption checks, the CLI stages."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_suffix_tree import expand
+
+from eval.suffix.__main__ import main
+from eval.suffix.artifact import META_FILE, TREE_FILE, load_cache, save_cache
+from eval.suffix.cache import SpecConfig, SuffixCache
+
+
+def word_tokenizer(words: int = 128, offset: int = 0):
+    """A word-level tokenizer over "w3".."w{words-1}" (ids shifted by ``offset``), with a plain chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {
+        "[UNK]": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        **{f"w{i}": (i + offset - 3) % (words - 3) + 3 for i in range(3, words)},
+    }
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]", bos_token="<bos>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast
+
+
+def filled_cache(seed: int = 0, limit: int = 6) -> SuffixCache:
+    rng = random.Random(seed)
+    cache = SuffixCache(SpecConfig(max_depth=6, max_cached_requests=limit, min_token_prob=0.0))
+    for _ in range(10):  # more than the limit: evicted sequences stay referenced by surviving nodes
+        cache.add_response([rng.randrange(3, 9) for _ in range(rng.randint(1, 30))])
+    return cache
+
+
+def test_round_trip_is_exact_and_keeps_fifo(tmp_path):
+    tok = word_tokenizer()
+    cache = filled_cache()
+    save_cache(cache, tmp_path / "c", tok)
+    loaded = load_cache(tmp_path / "c", tok)
+    assert expand(loaded.global_tree) == expand(cache.global_tree)
+    assert loaded.config == cache.config and loaded.num_responses == cache.num_responses
+    rng = random.Random(1)
+    for _ in range(30):
+        ctx = [rng.randrange(3, 9) for _ in range(rng.randint(1, 5))]
+        a, b = cache.global_tree.speculate(ctx, 8), loaded.global_tree.speculate(ctx, 8)
+        assert (a.tokens, a.probs, a.match_len) == (b.tokens, b.probs, b.match_len)
+    for c in (cache, loaded):  # the next insertion evicts the same (oldest) response in both
+        c.add_response([3, 4, 5])
+    assert expand(loaded.global_tree) == expand(cache.global_tree)
+
+
+def test_other_tokenizer_is_refused(tmp_path):
+    save_cache(filled_cache(), tmp_path / "c", word_tokenizer())
+    with pytest.raises(ValueError, match="built with tokenizer .* rebuild the cache with --model"):
+        load_cache(tmp_path / "c", word_tokenizer(offset=1))
+
+
+def test_corrupt_files_are_refused(tmp_path):
+    tok = word_tokenizer()
+    save_cache(filled_cache(), tmp_path / "c", tok)
+    tree = tmp_path / "c" / TREE_FILE
+    data = bytearray(tree.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tree.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupt"):
+        load_cache(tmp_path / "c", tok)
+    (tmp_path / "c" / META_FILE).write_text('{"format": "swiftkv-suffix-cache", "vers')
+    with pytest.raises(ValueError, match="corrupt"):
+        load_cache(tmp_path / "c", tok)
+    (tmp_path / "c" / META_FILE).write_text(json.dumps({"format": "swiftkv-suffix-cache", "version": 99}))
+    with pytest.raises(ValueError, match="version 99"):
+        load_cache(tmp_path / "c", tok)
+
+
+def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
+    tok = word_tokenizer()
+    tok.save_pretrained(tiny_llama_dir)
+    gens = tmp_path / "gens.jsonl"
+    lines = [
+        {"response": "w5 w6 w7 w8 w9"},
+        {"messages": [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w5 w6 w7"}]},
+    ]
+    gens.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    out = tmp_path / "cache"
+    assert (
+        main(
+            [
+                "build",
+                str(out),
+                "--model",
+                str(tiny_llama_dir),
+                "--responses-from",
+                str(gens),
+                "--max-spec",
+                "4",
+            ]
+        )
+        == 0
+    )
+    cache = load_cache(out, tok)
+    assert cache.num_responses == 2 and cache.config.max_spec == 4
+    # after "w5 w6 w7" both responses split (w8 / <eos>, p = 1/2 each): the tie goes to the smaller id
+    assert cache.global_tree.speculate([5, 6], 4).tokens == [7, 1]
+    assert main(["build", str(out), "--model", str(tiny_llama_dir), "--responses-from", str(gens)]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w6 w7 w5 w6"}) + "\n")
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_llama_dir),
+                "--cache",
+                str(out),
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "5",
+                "--mode",
+                "tree",
+            ]
+        )
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["new_tokens"] <= 5 and record["tokens_per_step"] >= 1.0
+
+    assert main(["export-vllm", str(out)]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec == {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+        "suffix_decoding_max_tree_depth": 64,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_max_cached_requests": 100000,
+    }

@@ -1,0 +1,181 @@
+"""Suffix tree and cache against brute-force references on random token sequences (seeded property tests)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from eval.suffix.cache import SpecConfig, SuffixCache
+from eval.suffix.tree import SuffixTree
+
+
+def brute_counts(seqs, depth: int) -> dict[tuple[int, ...], int]:
+    """Occurrences of every substring of length <= depth (= the uncompressed suffix trie's counts)."""
+    counts: Counter = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for n in range(1, min(depth, len(s) - i) + 1):
+                counts[tuple(s[i : i + n])] += 1
+    return dict(counts)
+
+
+def expand(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    """The compressed tree as a trie: path -> count, one entry per token position inside each node."""
+    out: dict[tuple[int, ...], int] = {}
+    stack = [(tree.root, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            assert child.parent is node
+            p = path
+            for o in range(child.length):
+                p = p + (child.token(o),)
+                out[p] = child.count
+            stack.append((child, p))
+    return out
+
+
+def check_canonical(tree: SuffixTree) -> None:
+    """Compression is maximal: no non-root node has a single child with the same count."""
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        assert node.count >= sum(c.count for c in node.children.values())
+        if node is not tree.root and len(node.children) == 1:
+            assert next(iter(node.children.values())).count < node.count
+        stack.extend(node.children.values())
+
+
+def random_case(seed: int):
+    rng = random.Random(seed)
+    depth, vocab = rng.randint(1, 8), rng.randint(1, 5)
+    seqs = {k: [rng.randrange(vocab) for _ in range(rng.randint(1, 25))] for k in range(rng.randint(1, 6))}
+    return rng, depth, seqs
+
+
+@pytest.mark.parametrize("seed", range(0, 400, 1))
+def test_tree_matches_brute_force_under_interleaved_appends_and_removal(seed):
+    rng, depth, seqs = random_case(seed)
+    tree = SuffixTree(depth)
+    order = [k for k, s in seqs.items() for _ in s]
+    rng.shuffle(order)  # sequences grow concurrently, as live requests do
+    pos: Counter = Counter()
+    for k in order:
+        tree.append(k, seqs[k][pos[k]])
+        pos[k] += 1
+    assert expand(tree) == brute_counts(seqs.values(), depth)
+    for k in rng.sample(sorted(seqs), rng.randint(0, len(seqs))):
+        tree.remove(k)
+        del seqs[k]
+        assert expand(tree) == brute_counts(seqs.values(), depth)
+        check_canonical(tree)
+    assert tree.root.count == sum(map(len, seqs.values()))
+    assert max(map(len, expand(tree)), default=0) <= depth
+
+
+def brute_continuations(seqs, depth, context):
+    """P(w | context) for every continuation w, from brute-force counts (root count = all positions)."""
+    counts = brute_counts(seqs, depth)
+    total = sum(map(len, seqs))
+    ctx = tuple(context)
+    out = {}
+    frontier = [((), 1.0)]
+    while frontier:
+        w, p = frontier.pop()
+        parent = counts.get(ctx + w, 0) if ctx + w else total
+        for key, c in counts.items():
+            if len(key) == len(ctx + w) + 1 and key[: len(ctx + w)] == ctx + w:
+                out[w + key[-1:]] = p * c / parent
+                frontier.append((w + key[-1:], p * c / parent))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_drafts_equal_brute_force_enumeration(seed):
+    rng, depth, seqs = random_case(seed)
+    depth = max(depth, 3)
+    tree = SuffixTree(depth)
+    for k, s in seqs.items():
+        tree.add(k, s)
+    src = rng.choice(list(seqs.values()))
+    i = rng.randrange(len(src))
+    context = src[i : i + rng.randint(1, 2)]
+    pos = tree.match(context)
+    assert pos is not None
+    probs = brute_continuations(list(seqs.values()), depth, context)
+    budget, min_prob = rng.randint(1, 6), rng.choice([0.0, 0.1, 0.3])
+
+    path = tree.speculate_path(pos[0], pos[1], budget, min_prob)
+    expected, w = [], ()
+    while len(expected) < budget:  # greedy: most probable next token, ties to the smaller id
+        options = [
+            (p, k[-1]) for k, p in probs.items() if len(k) == len(w) + 1 and k[:-1] == w and p >= min_prob
+        ]
+        if not options:
+            break
+        p, tok = max(options, key=lambda o: (o[0], -o[1]))
+        w += (tok,)
+        expected.append((tok, p))
+    assert [(t, round(p, 9)) for t, p in zip(path.tokens, path.probs, strict=True)] == [
+        (t, round(p, 9)) for t, p in expected
+    ]
+
+    tree_draft = tree.speculate_tree(pos[0], pos[1], budget, min_prob)
+    paths = []
+    for i, (tok, parent) in enumerate(zip(tree_draft.tokens, tree_draft.parents, strict=True)):
+        assert parent < i
+        paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+        assert tree_draft.probs[i] == pytest.approx(probs[paths[i]])
+    assert len(set(paths)) == len(paths)
+    eligible = sorted((p for p in probs.values() if p >= min_prob), reverse=True)
+    # best-first = the top-`budget` continuations by probability (ancestors are never less probable)
+    assert sorted(tree_draft.probs, reverse=True) == pytest.approx(eligible[:budget])
+
+
+def test_budget_rule_and_best_match_length():
+    tree = SuffixTree(16)
+    tree.add(0, [9, 1, 2, 3, 4, 5, 6, 7, 8])
+    for p, cfg in [
+        (1, dict(factor=1.0, offset=0.0)),
+        (3, dict(factor=1.0, offset=0.0)),
+        (2, dict(factor=2.0, offset=1.0)),
+    ]:
+        draft = tree.speculate(
+            [0, 9, 1, 2][-p - 1 :] if p < 3 else [9, 1, 2], max_spec=100, min_token_prob=0.0, **cfg
+        )
+        budget = int(cfg["factor"] * draft.match_len + cfg["offset"])
+        assert draft.tokens == [3, 4, 5, 6, 7, 8][:budget]
+    # max_spec caps the budget; the longest match wins when scores tie
+    draft = tree.speculate([9, 1, 2], max_spec=2, min_token_prob=0.0)
+    assert draft.tokens == [3, 4] and draft.match_len == 3
+
+
+def test_cache_fifo_eviction_and_best_of_two_trees():
+    cache = SuffixCache(SpecConfig(max_depth=8, max_cached_requests=2, min_token_prob=0.0))
+    for resp in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        cache.add_response(resp)
+    assert cache.num_responses == 2
+    reference = SuffixTree(8)
+    reference.add(0, [4, 5, 6])
+    reference.add(1, [7, 8, 9])
+    assert expand(cache.global_tree) == expand(reference)  # [1, 2, 3] evicted, oldest first
+    cache.start_request(0, [4, 5, 0] * 3)
+    assert cache.speculate(0, [7]).tokens == [8]  # only the global tree knows 7 -> 8
+    cache.append(0, [4, 5])
+    # global: 4 5 -> 6 (score 1.0); request: 4 5 -> 0 4 with p = 3/4 each (score 1.5) wins
+    assert cache.speculate(0, [4, 5]).tokens == [0, 4]
+    cache.finish_request(0, [4, 5])
+    assert cache.num_responses == 2
+
+
+def test_closed_sequence_and_bad_depth_are_refused():
+    tree = SuffixTree(4)
+    tree.add(0, [1, 2])
+    with pytest.raises(ValueError, match="closed"):
+        tree.append(0, 3)
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixTree(0)
+    with pytest.raises(ValueError, match="max_spec"):
+        SpecConfig(max_spec=0)
