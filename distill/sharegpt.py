@@ -15,8 +15,16 @@ from pathlib import Path
 
 from swiftkv.artifacts import cache_dir
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-            "bard": "assistant", "assistant": "assistant", "system": "system"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 def sharegpt_path() -> Path:
@@ -27,7 +35,9 @@ def resolve_data_path(data: str | os.PathLike) -> Path:
     """Map the name ``sharegpt`` to the fetched JSONL; check that any other path exists."""
     path = sharegpt_path() if str(data) == "sharegpt" else Path(data)
     if not path.is_file():
-        hint = "run `python scripts/fetch_assets.py sharegpt`" if str(data) == "sharegpt" else "check the path"
+        hint = (
+            "run `python scripts/fetch_assets.py sharegpt`" if str(data) == "sharegpt" else "check the path"
+        )
         raise FileNotFoundError(f"data file {path} not found; to resolve, {hint}")
     return path
 
@@ -54,7 +64,9 @@ def to_messages(conversation: list[dict]) -> list[dict[str, str]]:
     return messages
 
 
-def iter_conversations(data: str | os.PathLike = "sharegpt", limit: int | None = None) -> Iterator[list[dict[str, str]]]:
+def iter_conversations(
+    data: str | os.PathLike = "sharegpt", limit: int | None = None
+) -> Iterator[list[dict[str, str]]]:
     """Yield conversations as OpenAI-style message lists (at least one user turn), in file order."""
     n = 0
     with open(resolve_data_path(data)) as f:

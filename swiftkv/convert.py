@@ -101,7 +101,7 @@ def swiftkv_config(base: dict, num_key_value_layers: int, group_size: int) -> di
         )
     if model_type == "qwen2" and base.get("use_sliding_window"):
         raise ConversionError("Qwen2 checkpoints with use_sliding_window=true are not supported")
-    swift_type, arch, config_cls = FAMILIES[model_type]
+    swift_type, arch, _ = FAMILIES[model_type]
     config = {k: v for k, v in base.items() if k not in ("sliding_window",) or model_type != "mistral"}
     config.update(
         model_type=swift_type,
@@ -109,12 +109,18 @@ def swiftkv_config(base: dict, num_key_value_layers: int, group_size: int) -> di
         num_key_value_layers=num_key_value_layers,
         key_value_group_size=group_size,
         swiftkv=True,
-        auto_map={
-            "AutoConfig": f"configuration_swiftkv.{config_cls}",
-            "AutoModelForCausalLM": f"modeling_swiftkv.{arch}",
-        },
+        auto_map=auto_map(swift_type),
     )
     return config
+
+
+def auto_map(swiftkv_model_type: str) -> dict[str, str]:
+    """The config.json ``auto_map`` that lets stock transformers load the remote-code classes."""
+    arch, config_cls = next((a, c) for t, a, c in FAMILIES.values() if t == swiftkv_model_type)
+    return {
+        "AutoConfig": f"configuration_swiftkv.{config_cls}",
+        "AutoModelForCausalLM": f"modeling_swiftkv.{arch}",
+    }
 
 
 def _weight_files(src: Path) -> list[Path]:
@@ -177,9 +183,7 @@ def to_swiftkv(base, num_key_value_layers: int, group_size: int = 1):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base_config = base.config.to_dict()
-    config = swiftkv_config(base_config, num_key_value_layers, group_size)
-    config.pop("auto_map")
-    config = AutoConfig.for_model(**config)
+    config = AutoConfig.for_model(**swiftkv_config(base_config, num_key_value_layers, group_size))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=base.dtype)
     state = base.state_dict()
@@ -195,6 +199,27 @@ def to_swiftkv(base, num_key_value_layers: int, group_size: int = 1):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval() if not base.training else model
+
+
+def save_pretrained_swiftkv(
+    model,
+    dst: str | Path,
+    *,
+    tokenizer=None,
+    state_dict=None,
+    force: bool = False,
+    provenance: dict | None = None,
+) -> Path:
+    """Save a SwiftKV model as a complete checkpoint folder (weights, config with ``auto_map``, remote code,
+    tokenizer, provenance), atomically."""
+    model.config.auto_map = auto_map(model.config.model_type)
+    with atomic_output_dir(dst, force=force) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_remote_code(tmp)
+        write_provenance(tmp, **(provenance or {"stage": "save"}))
+    return Path(dst)
 
 
 def write_remote_code(dst: Path) -> None:

@@ -1,0 +1,131 @@
+"""The distillation objective: teacher = the same weights in original mode, student = the SwiftKV path.
+
+``kd_loss`` is forward KL(teacher || student) at temperature T, scaled by T^2, averaged over the counted
+tokens.  Only counted positions are projected onto the vocabulary, and in chunks of ``chunk_tokens`` rows
+whose logits are recomputed in backward (activation checkpointing), so peak memory is one chunk of
+[chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
+computation (tests/test_distill_objective.py).
+
+``DistillationObjective`` wraps the causal LM so that accelerate/DeepSpeed see one module whose forward
+returns the loss.  It knows only the model's small distillation interface: ``set_mode``,
+``swiftkv_parameter_names`` and ``model.teacher_student_hidden`` (layers < l computed once for both paths).
+With ``shared_lower_layers=False`` it runs two ordinary forward passes instead (the naive baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .recipe import LossSection
+
+
+def _chunk_kl(
+    student: torch.Tensor, teacher: torch.Tensor, head: nn.Module, temperature: float
+) -> torch.Tensor:
+    s = F.log_softmax(head(student).float() / temperature, dim=-1)
+    with torch.no_grad():
+        t = F.log_softmax(head(teacher).float() / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="sum")
+
+
+def kd_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    head: nn.Module,
+    mask: torch.Tensor,
+    temperature: float = 2.0,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """T^2 * mean over counted tokens of KL(softmax(teacher/T) || softmax(student/T)).
+
+    student/teacher: [batch, seq, hidden] (or logits, with ``head=nn.Identity()``); mask: [batch, seq] of 0/1.
+    """
+    rows = mask.reshape(-1).bool()
+    student, teacher = (
+        student.reshape(-1, student.shape[-1])[rows],
+        teacher.reshape(-1, teacher.shape[-1])[rows],
+    )
+    n = student.shape[0]
+    if n == 0:
+        return student.sum() * 0.0
+    total = student.new_zeros((), dtype=torch.float32)
+    for i in range(0, n, chunk_tokens):
+        s, t = student[i : i + chunk_tokens], teacher[i : i + chunk_tokens]
+        if n > chunk_tokens and torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_kl, s, t, head, temperature, use_reentrant=False)
+        else:
+            total = total + _chunk_kl(s, t, head, temperature)
+    return total * temperature**2 / n
+
+
+@torch.no_grad()
+def agreement_metrics(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    head: nn.Module,
+    mask: torch.Tensor,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """Sums over counted tokens of [KL at T=1, top-1 agreement, count] (sums, so ranks can add them)."""
+    rows = mask.reshape(-1).bool()
+    student, teacher = (
+        student.reshape(-1, student.shape[-1])[rows],
+        teacher.reshape(-1, teacher.shape[-1])[rows],
+    )
+    out = torch.zeros(3, dtype=torch.float64, device=student.device)
+    for i in range(0, student.shape[0], chunk_tokens):
+        s = F.log_softmax(head(student[i : i + chunk_tokens]).float(), -1)
+        t = F.log_softmax(head(teacher[i : i + chunk_tokens]).float(), -1)
+        out[0] += F.kl_div(s, t, log_target=True, reduction="sum").double()
+        out[1] += (s.argmax(-1) == t.argmax(-1)).sum()
+        out[2] += s.shape[0]
+    return out
+
+
+def masked_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over counted tokens of the mean squared difference over the hidden size."""
+    per_token = (student.float() - teacher.float()).pow(2).mean(-1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+class DistillationObjective(nn.Module):
+    """One module whose forward is the distillation loss of a batch (and metrics in eval mode)."""
+
+    def __init__(self, model: nn.Module, loss: LossSection, shared_lower_layers: bool = True):
+        super().__init__()
+        self.model = model
+        self.loss_cfg = loss
+        self.shared_lower_layers = shared_lower_layers
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The SwiftKV causal LM, also when peft wraps it."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def _hidden(self, input_ids, position_ids):
+        lm = self.causal_lm
+        if self.shared_lower_layers:
+            teacher, student, t_in, s_in = lm.model.teacher_student_hidden(
+                input_ids, position_ids=position_ids
+            )
+            return teacher, student, t_in, s_in, lm.lm_head
+        lm.set_mode("teacher")
+        with torch.no_grad():
+            t_out = lm(input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+        lm.set_mode("student")
+        s_out = lm(input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+        return t_out.logits, s_out.logits, t_out.hidden_states[-2], s_out.hidden_states[-2], nn.Identity()
+
+    def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:
+        cfg = self.loss_cfg
+        teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids)
+        mask = loss_mask.to(student.dtype)
+        kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens)
+        mse = masked_mse(s_in, t_in, mask) if cfg.mse_weight > 0 else kl.new_zeros(())
+        out = {"loss": cfg.kl_weight * kl + cfg.mse_weight * mse, "kl": kl.detach(), "mse": mse.detach()}
+        if not self.training:
+            out["metrics"] = agreement_metrics(student, teacher, head, loss_mask, cfg.chunk_tokens)
+        return out

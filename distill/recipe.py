@@ -1,0 +1,186 @@
+"""Distillation recipes: YAML validated by pydantic models, with ``key=value`` overrides.
+
+Every field has a docstring-like description; unknown keys are errors (``extra="forbid"``).  All problems of a
+recipe are collected and reported at once, one line each (``recipe error: train.max_step: unknown key``),
+before any model or data is touched.  Recipes hold no code and no dotted import paths: choices are names
+from small registries (schedules, data formats, trainable sets).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class SwiftKVOptions(_Section):
+    num_key_value_layers: int | None = Field(None, description="l; layers 0..l-1 stay normal")
+    fraction: float | None = Field(
+        None, ge=0, lt=1, description="fraction of layers that become SwiftKV layers"
+    )
+    group_size: int = Field(1, ge=1, description="AcrossKV group size g")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.num_key_value_layers is None) == (self.fraction is None):
+            raise ValueError("set exactly one of swiftkv.num_key_value_layers and swiftkv.fraction")
+        return self
+
+
+class ModelSection(_Section):
+    source: str = Field(
+        description="HF checkpoint dir: a SwiftKV checkpoint, or a base one converted on the fly"
+    )
+    swiftkv: SwiftKVOptions | None = Field(
+        None, description="conversion options when source is a base checkpoint"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights dtype when loading"
+    )
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+    @field_validator("source")
+    @classmethod
+    def _expand(cls, v: str) -> str:
+        return os.path.expandvars(os.path.expanduser(v))
+
+
+class DataSource(_Section):
+    path: str = Field(
+        description="'sharegpt', a local .json/.jsonl/.parquet/.txt file, or a hub dataset name"
+    )
+    format: Literal["conversations", "text"] = Field("conversations", description="chat turns or plain text")
+    split: str = Field("train", description="split of a hub dataset")
+    weight: float = Field(1.0, gt=0, description="relative share of this source in the mix")
+    max_samples: int | None = Field(None, ge=1, description="take at most this many samples from the source")
+
+
+class DataSection(_Section):
+    sources: list[DataSource] = Field(min_length=1)
+    seq_len: int = Field(2048, ge=16, description="tokens per training sequence")
+    packing: bool = Field(
+        True, description="pack several samples per sequence (attention stays within a sample)"
+    )
+    loss_on: Literal["assistant", "all"] = Field("assistant", description="which tokens the loss counts")
+    holdout: float = Field(0.02, ge=0, lt=1, description="fraction held out for evaluation")
+    seed: int = 0
+
+
+class LossSection(_Section):
+    temperature: float = Field(2.0, gt=0, description="KL temperature T; the KL is scaled by T^2")
+    kl_weight: float = Field(1.0, ge=0)
+    mse_weight: float = Field(1.0, ge=0, description="MSE between the two paths' input to the last layer")
+    chunk_tokens: int = Field(1024, ge=1, description="tokens per vocab-projection chunk (bounds memory)")
+
+
+class OptimSection(_Section):
+    lr: float = Field(2e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class LoraOptions(_Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class TrainSection(_Section):
+    micro_batch_size: int = Field(1, ge=1, description="sequences per device per step")
+    grad_accum: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (default: one epoch)")
+    epochs: float = Field(1.0, gt=0)
+    trainable: Literal["swiftkv", "lora", "all"] = Field(
+        "swiftkv",
+        description="swiftkv: norm/q/k/v_proj_swiftkv (the paper); lora: LoRA on them; all: ablation",
+    )
+    lora: LoraOptions = LoraOptions()
+    shared_lower_layers: bool = Field(True, description="compute layers < l once for teacher and student")
+    mixed_precision: Literal["no", "bf16"] = "no"
+    seed: int = 0
+
+
+class CheckpointSection(_Section):
+    every_steps: int = Field(200, ge=1)
+    keep: int = Field(2, ge=1, description="how many full checkpoints to keep")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+
+
+class LogSection(_Section):
+    every_steps: int = Field(1, ge=1)
+    eval_every_steps: int | None = Field(
+        None, ge=1, description="held-out KL every N steps (default: at the end)"
+    )
+    eval_batches: int = Field(8, ge=1)
+
+
+class Recipe(_Section):
+    """A whole distillation run."""
+
+    output_dir: str
+    model: ModelSection
+    data: DataSection
+    loss: LossSection = LossSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    log: LogSection = LogSection()
+
+
+class RecipeError(ValueError):
+    """A recipe problem; ``str()`` is one line per problem."""
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+            continue
+        if not isinstance(node, dict):
+            raise RecipeError(f"recipe error: {dotted}: cannot set a key below a non-mapping value")
+        node = node.setdefault(key, {})
+    if isinstance(node, list) and keys[-1].isdigit() and int(keys[-1]) < len(node):
+        node[int(keys[-1])] = value
+    elif isinstance(node, dict):
+        node[keys[-1]] = value
+    else:
+        raise RecipeError(f"recipe error: {dotted}: cannot set a key below a non-mapping value")
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; raise RecipeError listing every problem, one per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe error: {path} not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe error: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise RecipeError(f"recipe error: {path} must be a mapping at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"recipe error: override {item!r} is not key=value")
+        _set(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "recipe"
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"recipe error: {where}: {msg}")
+        raise RecipeError("\n".join(lines)) from None

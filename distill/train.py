@@ -1,0 +1,338 @@
+"""The distillation run: one loop for 1 or N processes, plain or DeepSpeed ZeRO-1/2/3, through accelerate.
+
+    setup()   model (a SwiftKV checkpoint, or a base one converted on the fly), trainable set, data, optimizer,
+              schedule, accelerator.prepare, resume from the latest complete checkpoint
+    train()   forward (shared lower layers) -> KD loss -> backward -> clip -> step, with accumulation,
+              JSONL logging, held-out metrics, checkpoints every N steps, and the final HF export
+
+Checkpoints are ``accelerator.save_state`` folders written under a temp name and renamed when every rank has
+finished, next to a ``trainer_state.json`` with the step and a fingerprint of the recipe fields that must
+match to resume.  The schedule is a plain LambdaLR stepped once per optimizer step (registered for
+checkpointing), so its length does not depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from swiftkv.artifacts import write_json_atomic
+from swiftkv.convert import read_config, resolve_num_key_value_layers, save_pretrained_swiftkv, to_swiftkv
+
+from .data import build_datasets
+from .objective import DistillationObjective
+from .recipe import Recipe
+
+KILL_ENV = "SWIFTKV_DISTILL_KILL_AT_STEP"  # fault injection for tests: hard exit after this optimizer step
+_RESUME_FIELDS = ("model", "data", "loss", "optim")
+_RESUME_TRAIN_FIELDS = ("micro_batch_size", "grad_accum", "trainable", "lora", "seed")
+
+
+class ResumeError(ValueError):
+    """The checkpoint to resume from does not belong to this recipe."""
+
+
+def fingerprint(recipe: Recipe, num_processes: int) -> dict:
+    fields = {k: getattr(recipe, k).model_dump(mode="json") for k in _RESUME_FIELDS}
+    fields["train"] = {k: recipe.train.model_dump(mode="json")[k] for k in _RESUME_TRAIN_FIELDS}
+    fields["num_processes"] = num_processes
+    return fields
+
+
+def load_model(recipe: Recipe):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(recipe.model.source)
+    config = read_config(source)
+    dtype = getattr(torch, recipe.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, attn_implementation=recipe.model.attn_implementation
+    )
+    if "num_key_value_layers" not in config:
+        opts = recipe.model.swiftkv
+        if opts is None:
+            raise ValueError(
+                f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
+            )
+        l = resolve_num_key_value_layers(
+            config["num_hidden_layers"], opts.num_key_value_layers, opts.fraction, opts.group_size
+        )
+        model = to_swiftkv(model, l, opts.group_size)
+    model.set_mode("student")
+    return model, tokenizer
+
+
+def select_trainable(model, recipe: Recipe):
+    """Freeze everything but the trainable set; LoRA wraps the SwiftKV projections with peft adapters."""
+    names = set(model.swiftkv_parameter_names())
+    if recipe.train.trainable == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = recipe.train.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=r".*_proj_swiftkv"
+            ),
+        )
+        model.base_model.model.model.norm_swiftkv.weight.requires_grad_(True)
+        return model
+    for name, param in model.named_parameters():
+        param.requires_grad_(recipe.train.trainable == "all" or name in names)
+    return model
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    accelerator: Accelerator
+    objective: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    max_steps: int
+    start_step: int
+    out: Path
+
+
+def _schedule(recipe: Recipe, max_steps: int):
+    warmup = math.ceil(recipe.optim.warmup_ratio * max_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, max_steps - warmup)
+        if recipe.optim.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if recipe.optim.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    done = sorted(
+        (out / "checkpoints").glob("step_*/trainer_state.json"), key=lambda p: int(p.parent.name[5:])
+    )
+    return done[-1].parent if done else None
+
+
+def setup(recipe: Recipe) -> Run:
+    # gloo on CPU; the handler must only be passed to multi-process launches (else accelerate expects a group)
+    cpu_multi = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(
+        gradient_accumulation_steps=recipe.train.grad_accum,
+        mixed_precision=recipe.train.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_multi else [],
+    )
+    ds_plugin = accelerator.state.deepspeed_plugin
+    if ds_plugin is not None:
+        if recipe.train.trainable == "lora" and ds_plugin.zero_stage == 3:
+            raise ValueError(
+                "train.trainable=lora is not supported with ZeRO-3; use ZeRO-2 or trainable=swiftkv"
+            )
+        ds_plugin.deepspeed_config["gradient_clipping"] = recipe.train.grad_clip or 0.0
+    set_seed(recipe.train.seed)
+    out = Path(recipe.output_dir)
+    model, tokenizer = load_model(recipe)
+    model = select_trainable(model, recipe)
+    with accelerator.main_process_first():
+        train_rows, eval_rows = build_datasets(recipe.data, tokenizer, model.config.max_position_embeddings)
+    keys = ("input_ids", "position_ids", "loss_mask")
+    train_loader = DataLoader(
+        TensorDataset(*(train_rows[k] for k in keys)),
+        batch_size=recipe.train.micro_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(recipe.data.seed),
+    )
+    eval_loader = DataLoader(
+        TensorDataset(*(eval_rows[k] for k in keys)), batch_size=recipe.train.micro_batch_size
+    )
+    objective = DistillationObjective(model, recipe.loss, recipe.train.shared_lower_layers)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=recipe.optim.lr, betas=recipe.optim.betas, weight_decay=recipe.optim.weight_decay
+    )
+    objective, optimizer, train_loader, eval_loader = accelerator.prepare(
+        objective, optimizer, train_loader, eval_loader
+    )
+    steps_per_epoch = max(1, len(train_loader) // recipe.train.grad_accum)
+    max_steps = recipe.train.max_steps or math.ceil(recipe.train.epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe, max_steps))
+    accelerator.register_for_checkpointing(scheduler)
+
+    start_step = 0
+    ckpt = latest_checkpoint(out) if recipe.checkpoint.resume == "auto" else None
+    if ckpt is not None:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        expected = fingerprint(recipe, accelerator.num_processes)
+        if state["fingerprint"] != expected:
+            differ = sorted(k for k in expected if state["fingerprint"].get(k) != expected[k])
+            raise ResumeError(
+                f"checkpoint {ckpt} was written by a different recipe (differs in: {', '.join(differ)}); "
+                "to resolve, use a new output_dir or checkpoint.resume=never"
+            )
+        accelerator.load_state(str(ckpt))
+        start_step = state["step"]
+        accelerator.print(f"resumed from {ckpt} at step {start_step}")
+    return Run(
+        recipe,
+        accelerator,
+        objective,
+        tokenizer,
+        optimizer,
+        scheduler,
+        train_loader,
+        eval_loader,
+        max_steps,
+        start_step,
+        out,
+    )
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    acc, root = run.accelerator, run.out / "checkpoints"
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        write_json_atomic(
+            tmp / "trainer_state.json",
+            {"step": step, "fingerprint": fingerprint(run.recipe, acc.num_processes)},
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(root.glob("step_*"), key=lambda p: int(p.name[5:]))[: -run.recipe.checkpoint.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Held-out KL(teacher || student) at T=1, top-1 agreement and the training loss, over counted tokens."""
+    run.objective.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=run.accelerator.device)
+    for i, (ids, pos, mask) in enumerate(run.eval_loader):
+        if i >= run.recipe.log.eval_batches:
+            break
+        sums += run.objective(ids, pos, mask)["metrics"]
+    run.objective.train()
+    sums = run.accelerator.reduce(sums, "sum")
+    n = max(sums[2].item(), 1.0)
+    return {
+        "eval_kl": sums[0].item() / n,
+        "eval_top1_agreement": sums[1].item() / n,
+        "eval_tokens": int(sums[2].item()),
+    }
+
+
+def export(run: Run, metrics: dict) -> Path:
+    """Write the distilled model as a normal SwiftKV checkpoint in ``output_dir/model`` (ZeRO-3 gathered)."""
+    acc = run.accelerator
+    state = acc.get_state_dict(run.objective)  # gathers ZeRO-3 partitions on the main process
+    if acc.is_main_process:
+        objective = acc.unwrap_model(run.objective)
+        model = objective.model
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        if run.recipe.train.trainable == "lora":
+            model.load_state_dict(state)
+            model = model.merge_and_unload()
+            state = model.state_dict()
+        model.set_mode("student")
+        save_pretrained_swiftkv(
+            model,
+            run.out / "model",
+            tokenizer=run.tokenizer,
+            state_dict=state,
+            force=True,
+            provenance={"stage": "distill", "recipe": run.recipe.model_dump(mode="json"), **metrics},
+        )
+    acc.wait_for_everyone()
+    return run.out / "model"
+
+
+def train(recipe: Recipe) -> Path:
+    """Run (or resume) a distillation and return the exported model folder."""
+    run = setup(recipe)
+    acc, cfg = run.accelerator, run.recipe
+    log_path = run.out / "log.jsonl"
+    if acc.is_main_process:
+        run.out.mkdir(parents=True, exist_ok=True)
+        if run.start_step == 0 and log_path.exists():
+            log_path.unlink()
+    kill_at = int(os.environ.get(KILL_ENV, "0"))
+    step, tokens, t0 = run.start_step, 0, time.perf_counter()
+    epoch_batches = len(run.train_loader)
+    skip = (step * cfg.train.grad_accum) % max(epoch_batches, 1)
+    epoch = (step * cfg.train.grad_accum) // max(epoch_batches, 1)
+    bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
+    run.objective.train()
+    while step < run.max_steps:
+        run.train_loader.set_epoch(epoch)
+        loader = acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
+        for ids, pos, mask in loader:
+            with acc.accumulate(run.objective):
+                out = run.objective(ids, pos, mask)
+                acc.backward(out["loss"])
+                if acc.sync_gradients and cfg.optim.grad_clip and acc.state.deepspeed_plugin is None:
+                    acc.clip_grad_norm_(
+                        [p for p in run.objective.parameters() if p.requires_grad], cfg.optim.grad_clip
+                    )
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+            tokens += int(mask.sum()) * acc.num_processes
+            if not acc.sync_gradients:
+                continue
+            run.scheduler.step()
+            step += 1
+            bar.update(1)
+            record = {"step": step, "lr": run.scheduler.get_last_lr()[0]}
+            if step % cfg.log.every_steps == 0 or step == run.max_steps:
+                losses = acc.reduce(torch.stack([out["loss"].detach(), out["kl"], out["mse"]]), "mean")
+                elapsed = time.perf_counter() - t0
+                record.update(
+                    loss=losses[0].item(),
+                    kl=losses[1].item(),
+                    mse=losses[2].item(),
+                    counted_tokens_per_s=tokens / elapsed,
+                )
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0:
+                record.update(evaluate(run))
+            if acc.is_main_process and len(record) > 2:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if step % cfg.checkpoint.every_steps == 0 or step == run.max_steps:
+                save_checkpoint(run, step)
+            if step == kill_at:
+                os._exit(17)
+            if step >= run.max_steps:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+    metrics = evaluate(run)
+    metrics["train_seconds"] = time.perf_counter() - t0
+    if acc.is_main_process:
+        write_json_atomic(run.out / "final_metrics.json", metrics)
+    path = export(run, metrics)
+    acc.end_training()
+    return path
