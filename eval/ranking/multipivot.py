@@ -23,7 +23,10 @@ _MASK = 0xFFFFFFFF
 
 
 def _build(jit: Callable) -> dict[int, Callable]:
-    """Define the three sorts with ``jit`` applied to every function (identity = pure Python)."""
+    """Define the three sorts with ``jit`` applied to every function (identity = pure Python).
+
+    ``stats`` = [comparisons, swaps, xorshift state, insertion moves].
+    """
 
     @jit
     def lt(keys, a, b, stats):  # element ids a, b; one counted key comparison
@@ -52,7 +55,7 @@ def _build(jit: Callable) -> dict[int, Callable]:
             j = i - 1
             while j >= lo and lt(keys, x, idx[j], stats):
                 idx[j + 1] = idx[j]
-                stats[1] += 1
+                stats[3] += 1
                 j -= 1
             idx[j + 1] = x
 
@@ -200,10 +203,15 @@ def compiled_available() -> bool:
 
 @dataclass
 class SortStats:
-    """Counted work of one pure-Python sort; ``cache_misses`` only when a cache was simulated."""
+    """Counted work of one pure-Python sort; ``cache_misses`` only when a cache was simulated.
+
+    ``swaps`` are exchanges in partitioning and pivot sorting (what the literature counts); insertion
+    sort's element shifts are ``moves``.
+    """
 
     comparisons: int
     swaps: int
+    moves: int
     cache_misses: int | None = None
 
 
@@ -247,11 +255,11 @@ def argsort(
     """Positions that sort ``keys`` ascending, ties by position; compiled when numba is installed."""
     _check(pivots, cutoff)
     keys = np.ascontiguousarray(keys, dtype=np.float64)
-    stats = np.array([0, 0, seed & _MASK or 1], dtype=np.int64)
+    stats = np.array([0, 0, seed & _MASK or 1, 0], dtype=np.int64)
     compiled = _compiled()
     if compiled is None:
         idx = list(range(len(keys)))
-        _PURE[pivots](keys.tolist(), idx, cutoff, [0, 0, int(stats[2])])
+        _PURE[pivots](keys.tolist(), idx, cutoff, stats.tolist())
         return np.asarray(idx, dtype=np.int64)
     idx = np.arange(len(keys), dtype=np.int64)
     compiled[pivots](keys, idx, cutoff, stats)
@@ -269,10 +277,10 @@ def count_costs(
     _check(pivots, cutoff)
     keys = np.asarray(keys, dtype=np.float64).tolist()
     idx = LRUTrace(range(len(keys)), *cache) if cache else list(range(len(keys)))
-    stats = [0, 0, seed & _MASK or 1]
+    stats = [0, 0, seed & _MASK or 1, 0]
     _PURE[pivots](keys, idx, cutoff, stats)
     misses = idx.misses if cache else None
-    return np.asarray(idx, dtype=np.int64), SortStats(stats[0], stats[1], misses)
+    return np.asarray(idx, dtype=np.int64), SortStats(stats[0], stats[1], stats[3], misses)
 
 
 # Expected partitioning comparisons per element and pivot-sorting comparisons (Wild & Nebel; Kushagra et al.)

@@ -1,0 +1,177 @@
+"""Ranking benchmark: Kendall's tau of both predictors and the bucket baseline, and simulated SJF latency.
+
+Per split seed (a different held-out split each), trains the swiftkv-head with ListMLE and as a bucket
+classifier, and (for the first ``--small-lm-seeds`` seeds, it is slow on a CPU) the small LM; reports the
+median tau and its ratio to the bucket baseline of the same kind.  Then simulates FCFS / LTR (first
+seed's swiftkv-head and small LM) / oracle on the held-out requests at offered loads given as multiples of
+the cost model's decode capacity, interleaving the policies over arrival seeds and taking medians.
+
+  python scripts/bench_ranking.py out/traces --work out/bench_ranking --out out/bench_ranking.json
+  python scripts/bench_ranking.py out/traces --seeds 3 --small-lm-seeds 1 --small-lm-layers 8 \\
+      --cost-model out/cost.json --loads 0.5,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from eval.ranking.predictors import Ranker
+from eval.ranking.simulator import CostModel, SimConfig, run_policies
+from eval.ranking.train import TrainConfig, evaluate_ranker, held_out_traces, train_ranker
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
+    variants = {
+        "swiftkv-head listmle": dict(kind="swiftkv-head", objective="listmle", epochs=args.head_epochs),
+        "swiftkv-head buckets": dict(kind="swiftkv-head", objective="buckets", epochs=args.head_epochs),
+        "small-lm listmle": dict(
+            kind="small-lm",
+            objective="listmle",
+            epochs=args.small_lm_epochs,
+            backbone_layers=args.small_lm_layers,
+            lr=args.small_lm_lr,
+        ),
+        "small-lm buckets": dict(
+            kind="small-lm",
+            objective="buckets",
+            epochs=args.small_lm_epochs,
+            backbone_layers=args.small_lm_layers,
+            lr=args.small_lm_lr,
+        ),
+    }
+    taus: dict[str, list[float]] = {name: [] for name in variants}
+    first: dict[str, Path] = {}
+    for seed in range(args.seeds):  # interleaved: every variant on the same split before the next split
+        for name, options in variants.items():
+            if options["kind"] == "small-lm" and seed >= args.small_lm_seeds:
+                continue
+            out = args.work / f"{name.replace(' ', '-')}-s{seed}"
+            if not (out / "ranker.json").is_file():
+                config = TrainConfig(
+                    seed=seed, max_prompt_tokens=args.max_prompt_tokens, list_size=args.list_size, **options
+                )
+                train_ranker(args.traces, out, config, force=True)
+            taus[name].append(evaluate_ranker(out, args.traces)["kendall_tau"])
+            first.setdefault(name, out)
+            print(f"seed {seed} {name}: tau {taus[name][-1]:.3f}", flush=True)
+    return taus, first
+
+
+def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
+    config = SimConfig(args.token_budget, args.max_batch)
+    traces = held_out_traces(next(iter(rankers.values())), args.traces)
+    prompt_len = np.array([t.prompt_len for t in traces])
+    output_len = np.array([t.output_len for t in traces])
+    scores = {name: Ranker(path).score([t.prompt for t in traces]) for name, path in rankers.items()}
+    # capacity (req/s): a request's share of full-batch decode iterations plus its prefill tokens
+    per_request = output_len.mean() * cost.iteration(0, args.max_batch) / args.max_batch
+    capacity = 1.0 / (per_request + cost.prefill_token * prompt_len.mean())
+    rows = []
+    for load in args.loads:
+        rate = load * capacity
+        runs: dict[str, list] = {}
+        for seed in range(args.sim_seeds):
+            for name, score in [
+                ("fcfs", scores[next(iter(scores))]),
+                *scores.items(),
+                ("oracle", -output_len),
+            ]:
+                policy = "fcfs" if name == "fcfs" else "oracle" if name == "oracle" else "ltr"
+                (r,) = run_policies(
+                    prompt_len,
+                    output_len,
+                    np.asarray(score, float),
+                    [rate],
+                    [policy],
+                    args.requests,
+                    cost,
+                    config,
+                    seed,
+                )
+                runs.setdefault(name, []).append(r)
+        fcfs_mean = statistics.median(r.mean_latency_s for r in runs["fcfs"])
+        for name, rs in runs.items():
+            mean = statistics.median(r.mean_latency_s for r in rs)
+            rows.append(
+                {
+                    "load": load,
+                    "rate_req_s": rate,
+                    "policy": name,
+                    "mean_latency_s": mean,
+                    "mean_latency_per_token_s": statistics.median(r.mean_latency_per_token_s for r in rs),
+                    "p90_latency_per_token_s": statistics.median(r.p90_latency_per_token_s for r in rs),
+                    "throughput_tok_s": statistics.median(r.throughput_tok_s for r in rs),
+                    "fcfs_over_policy_mean_latency": fcfs_mean / mean,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("traces")
+    parser.add_argument(
+        "--work", type=Path, default=Path("out/bench_ranking"), help="trained rankers (reused)"
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="held-out splits for the swiftkv-head")
+    parser.add_argument("--small-lm-seeds", type=int, default=1)
+    parser.add_argument("--small-lm-layers", type=int, default=8)
+    parser.add_argument("--small-lm-epochs", type=int, default=3)
+    parser.add_argument("--small-lm-lr", type=float, default=1e-4)
+    parser.add_argument("--head-epochs", type=int, default=30)
+    parser.add_argument("--list-size", type=int, default=32)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--cost-model", help="JSON from `python -m eval.ranking calibrate`")
+    parser.add_argument("--loads", type=_csv(float), default=[0.5, 0.9, 1.5], help="offered load / capacity")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--sim-seeds", type=int, default=3)
+    parser.add_argument("--token-budget", type=int, default=512)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    taus, rankers = tau_table(args)
+    print("\npredictor | median tau | splits | vs bucket baseline (same kind)")
+    summary = {}
+    for name, values in taus.items():
+        if not values:
+            continue
+        base = taus[name.replace("listmle", "buckets")]
+        ratio = (
+            statistics.median(values) / statistics.median(base)
+            if base and statistics.median(base)
+            else float("nan")
+        )
+        summary[name] = {"median_tau": statistics.median(values), "taus": values, "vs_buckets": ratio}
+        print(f"{name} | {statistics.median(values):.3f} | {len(values)} | {ratio:.2f}x")
+    listmle = {name: path for name, path in rankers.items() if "listmle" in name}
+    rows = latency_table(args, listmle)
+    print(f"\nsimulated serving (median of {args.sim_seeds} arrival seeds, {args.requests} requests)")
+    print("load | req/s | policy | mean lat s | mean s/token | p90 s/token | tok/s | FCFS/policy mean lat")
+    for r in rows:
+        print(
+            f"{r['load']:g} | {r['rate_req_s']:.3f} | {r['policy']} | {r['mean_latency_s']:.1f} | "
+            f"{r['mean_latency_per_token_s']:.3f} | {r['p90_latency_per_token_s']:.3f} | {r['throughput_tok_s']:.1f} | "
+            f"{r['fcfs_over_policy_mean_latency']:.2f}x"
+        )
+    if args.out:
+        from swiftkv.artifacts import write_json_atomic
+
+        write_json_atomic(args.out, {"args": vars(args), "tau": summary, "latency": rows})
+        print(json.dumps({"written": args.out}))
+
+
+if __name__ == "__main__":
+    main()
