@@ -60,3 +60,35 @@ def smollm2() -> Path:
     if not (path / "config.json").is_file():
         pytest.skip(f"embedded SmolLM2 not found at {path}; run `python scripts/fetch_assets.py model`")
     return path
+
+
+CONVERSATIONS = [
+    {"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                       {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
+                       {"from": "human", "value": "Thanks! And times two?"},
+                       {"from": "gpt", "value": f"That would be {4 * i}."}]}
+    for i in range(40)
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
+    """A tiny random Llama with the embedded SmolLM2 tokenizer (so chat templates are real)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    base = tiny_base("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
+                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    base.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> Path:
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    return path

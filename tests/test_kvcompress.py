@@ -237,3 +237,28 @@ def test_budget_sets_average_rank():
     assert [t.bits for t in policy.tiers] == [8, 4, 2]
     assert policy.tiers[0].k_rank > policy.tiers[-1].k_rank
     assert mean_rank == pytest.approx(16, rel=0.25)
+
+
+@pytest.mark.smollm2
+@torch.no_grad()
+def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill.sharegpt import sharegpt_path
+    from kvcompress.calibrate import HELDOUT_OFFSET, sharegpt_sequences
+    from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes, long_sequences
+
+    if not sharegpt_path().is_file():
+        pytest.skip("ShareGPT data not fetched; run `python scripts/fetch_assets.py sharegpt`")
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    factors = factors_from_model(model, sharegpt_sequences(tok, "sharegpt", 8, 256))
+    ids = next(long_sequences(tok, 640, 1, HELDOUT_OFFSET))
+    ref = continuation_logits(model, ids, DynamicCache(config=model.config), 512, 32)
+    enable_tale(model)
+    cache = TaleCache(factors, SMOLLM2_POLICY, model.config, model=model)
+    got = continuation_logits(model, ids, cache, 512, 32)
+    scores, base = compare(got, ref, ids[:, 512:]), compare(ref, ref, ids[:, 512:])
+    ppl_ratio = float(torch.tensor((scores["nll"] - base["nll"]) / scores["n"]).exp())
+    assert fp16_kv_bytes(model.config, 639) / cache.nbytes() > 4
+    assert ppl_ratio < 1.1 and scores["agree"] / scores["n"] > 0.8

@@ -1,0 +1,62 @@
+"""The loss: chunked = plain, shared lower layers = two separate passes (value and gradients)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_base
+from torch import nn
+
+from distill.objective import DistillationObjective, kd_loss
+from distill.recipe import LossSection
+from swiftkv.convert import to_swiftkv
+
+
+def test_chunked_kd_loss_equals_plain():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=False)
+    student = torch.randn(2, 9, 16, requires_grad=True)
+    teacher = torch.randn(2, 9, 16)
+    mask = (torch.rand(2, 9) > 0.3).long()
+    values, grads = [], []
+    for chunk in (4, 1000):
+        student.grad, head.weight.grad = None, None
+        loss = kd_loss(student, teacher, head, mask, temperature=2.0, chunk_tokens=chunk)
+        loss.backward()
+        values.append(loss.detach())
+        grads.append((student.grad.clone(), head.weight.grad.clone()))
+    torch.testing.assert_close(values[0], values[1])
+    torch.testing.assert_close(grads[0], grads[1])
+    # by hand: T^2 * mean KL(t||s) at T over counted tokens
+    s = torch.log_softmax(head(student) / 2, -1)[mask.bool()]
+    t = torch.log_softmax(head(teacher) / 2, -1)[mask.bool()]
+    torch.testing.assert_close(values[1], 4 * (t.exp() * (t - s)).sum(-1).mean())
+
+
+def test_kd_loss_is_zero_when_student_equals_teacher():
+    head = nn.Linear(8, 20)
+    x = torch.randn(1, 5, 8)
+    assert kd_loss(x, x, head, torch.ones(1, 5)).abs() < 1e-6
+
+
+def test_shared_lower_layers_equals_two_passes():
+    model = to_swiftkv(tiny_base("llama"), 3, 1)
+    for name in model.swiftkv_parameter_names():  # make the paths differ, as during training
+        model.get_parameter(name).data.add_(0.05 * torch.randn_like(model.get_parameter(name)))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in model.swiftkv_parameter_names())
+    ids = torch.randint(3, 128, (2, 12))
+    pos = torch.arange(12).expand(2, -1)
+    mask = (torch.rand(2, 12) > 0.2).long()
+    results = []
+    for shared in (True, False):
+        objective = DistillationObjective(model, LossSection(chunk_tokens=7), shared_lower_layers=shared)
+        model.zero_grad()
+        out = objective(ids, pos, mask)
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((out["kl"], out["mse"], grads))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-4)
+    for name, grad in results[0][2].items():
+        torch.testing.assert_close(grad, results[1][2][name], atol=1e-5, rtol=1e-3)
+    assert results[0][0] > 0 and all(g.abs().sum() > 0 for g in results[0][2].values())
