@@ -25,157 +25,161 @@ _MASK = 0xFFFFFFFF
 def _build(jit: Callable) -> dict[int, Callable]:
     """Define the three sorts with ``jit`` applied to every function (identity = pure Python).
 
+    Each sorts ``k`` (keys) and ``ix`` (original positions) together in place, comparing (key, position)
+    pairs, so scans read contiguous keys as a native value sort does.
     ``stats`` = [comparisons, swaps, xorshift state, insertion moves].
     """
 
     @jit
-    def lt(keys, a, b, stats):  # element ids a, b; one counted key comparison
+    def lt(ka, ia, kb, ib, stats):  # one counted comparison of (key, position) pairs
         stats[0] += 1
-        return keys[a] < keys[b] or (keys[a] == keys[b] and a < b)
+        return ka < kb or (ka == kb and ia < ib)
 
     @jit
-    def swap(idx, i, j, stats):
+    def swap(k, ix, i, j, stats):
         stats[1] += 1
-        idx[i], idx[j] = idx[j], idx[i]
+        k[i], k[j] = k[j], k[i]
+        ix[i], ix[j] = ix[j], ix[i]
 
     @jit
-    def pick(idx, slot, lo, hi, stats):  # move a uniform random element of idx[lo..hi] to slot (uncounted)
+    def pick(k, ix, slot, lo, hi, stats):  # move a uniform random element of [lo, hi] to slot (uncounted)
         x = stats[2]
         x ^= (x << 13) & _MASK
         x ^= x >> 17
         x ^= (x << 5) & _MASK
         stats[2] = x
         j = lo + x % (hi - lo + 1)
-        idx[slot], idx[j] = idx[j], idx[slot]
+        k[slot], k[j] = k[j], k[slot]
+        ix[slot], ix[j] = ix[j], ix[slot]
 
     @jit
-    def insertion(keys, idx, lo, hi, stats):
+    def insertion(k, ix, lo, hi, stats):
         for i in range(lo + 1, hi + 1):
-            x = idx[i]
+            xk, xi = k[i], ix[i]
             j = i - 1
-            while j >= lo and lt(keys, x, idx[j], stats):
-                idx[j + 1] = idx[j]
+            while j >= lo and lt(xk, xi, k[j], ix[j], stats):
+                k[j + 1], ix[j + 1] = k[j], ix[j]
                 stats[3] += 1
                 j -= 1
-            idx[j + 1] = x
+            k[j + 1], ix[j + 1] = xk, xi
 
     @jit
-    def sort1(keys, idx, cutoff, stats):
-        stack = [(0, len(idx) - 1)]
+    def sort1(k, ix, cutoff, stats):
+        stack = [(0, len(k) - 1)]
         while stack:
             lo, hi = stack.pop()
             if hi - lo + 1 <= cutoff:
-                insertion(keys, idx, lo, hi, stats)
+                insertion(k, ix, lo, hi, stats)
                 continue
-            pick(idx, lo, lo, hi, stats)
-            p = idx[lo]
+            pick(k, ix, lo, lo, hi, stats)
+            pk, pi = k[lo], ix[lo]
             i, j = lo + 1, hi
             while True:  # Hoare-style crossing scans
-                while i <= j and lt(keys, idx[i], p, stats):
+                while i <= j and lt(k[i], ix[i], pk, pi, stats):
                     i += 1
-                while i <= j and lt(keys, p, idx[j], stats):
+                while i <= j and lt(pk, pi, k[j], ix[j], stats):
                     j -= 1
                 if i >= j:
                     break
-                swap(idx, i, j, stats)
+                swap(k, ix, i, j, stats)
                 i += 1
                 j -= 1
-            swap(idx, lo, j, stats)
+            swap(k, ix, lo, j, stats)
             stack.append((lo, j - 1))
             stack.append((j + 1, hi))
 
     @jit
-    def sort2(keys, idx, cutoff, stats):  # Yaroslavskiy's dual-pivot partition (Java 7)
-        stack = [(0, len(idx) - 1)]
+    def sort2(k, ix, cutoff, stats):  # Yaroslavskiy's dual-pivot partition (Java 7)
+        stack = [(0, len(k) - 1)]
         while stack:
             lo, hi = stack.pop()
             if hi - lo + 1 <= cutoff:
-                insertion(keys, idx, lo, hi, stats)
+                insertion(k, ix, lo, hi, stats)
                 continue
-            pick(idx, lo, lo, hi, stats)
-            pick(idx, hi, lo + 1, hi, stats)
-            if lt(keys, idx[hi], idx[lo], stats):
-                swap(idx, lo, hi, stats)
-            p, q = idx[lo], idx[hi]
-            l, k, g = lo + 1, lo + 1, hi - 1
-            while k <= g:
-                if lt(keys, idx[k], p, stats):
-                    swap(idx, k, l, stats)
+            pick(k, ix, lo, lo, hi, stats)
+            pick(k, ix, hi, lo + 1, hi, stats)
+            if lt(k[hi], ix[hi], k[lo], ix[lo], stats):
+                swap(k, ix, lo, hi, stats)
+            pk, pi, qk, qi = k[lo], ix[lo], k[hi], ix[hi]
+            l, m, g = lo + 1, lo + 1, hi - 1
+            while m <= g:
+                if lt(k[m], ix[m], pk, pi, stats):
+                    swap(k, ix, m, l, stats)
                     l += 1
-                elif not lt(keys, idx[k], q, stats):
-                    while k < g and lt(keys, q, idx[g], stats):
+                elif not lt(k[m], ix[m], qk, qi, stats):
+                    while m < g and lt(qk, qi, k[g], ix[g], stats):
                         g -= 1
-                    swap(idx, k, g, stats)
+                    swap(k, ix, m, g, stats)
                     g -= 1
-                    if lt(keys, idx[k], p, stats):
-                        swap(idx, k, l, stats)
+                    if lt(k[m], ix[m], pk, pi, stats):
+                        swap(k, ix, m, l, stats)
                         l += 1
-                k += 1
+                m += 1
             l -= 1
             g += 1
-            swap(idx, lo, l, stats)
-            swap(idx, hi, g, stats)
+            swap(k, ix, lo, l, stats)
+            swap(k, ix, hi, g, stats)
             stack.append((lo, l - 1))
             stack.append((l + 1, g - 1))
             stack.append((g + 1, hi))
 
     @jit
-    def sort3(keys, idx, cutoff, stats):  # Kushagra, Lopez-Ortiz, Munro, Qiao: four pointers a <= b, c <= d
-        stack = [(0, len(idx) - 1)]
+    def sort3(k, ix, cutoff, stats):  # Kushagra, Lopez-Ortiz, Munro, Qiao: four pointers a <= b, c <= d
+        stack = [(0, len(k) - 1)]
         while stack:
             lo, hi = stack.pop()
             if hi - lo + 1 <= max(cutoff, 3):
-                insertion(keys, idx, lo, hi, stats)
+                insertion(k, ix, lo, hi, stats)
                 continue
-            pick(idx, lo, lo, hi, stats)
-            pick(idx, lo + 1, lo + 1, hi, stats)
-            pick(idx, hi, lo + 2, hi, stats)
-            if lt(keys, idx[lo + 1], idx[lo], stats):
-                swap(idx, lo, lo + 1, stats)
-            if lt(keys, idx[hi], idx[lo + 1], stats):
-                swap(idx, lo + 1, hi, stats)
-                if lt(keys, idx[lo + 1], idx[lo], stats):
-                    swap(idx, lo, lo + 1, stats)
-            p, q, r = idx[lo], idx[lo + 1], idx[hi]
+            pick(k, ix, lo, lo, hi, stats)
+            pick(k, ix, lo + 1, lo + 1, hi, stats)
+            pick(k, ix, hi, lo + 2, hi, stats)
+            if lt(k[lo + 1], ix[lo + 1], k[lo], ix[lo], stats):
+                swap(k, ix, lo, lo + 1, stats)
+            if lt(k[hi], ix[hi], k[lo + 1], ix[lo + 1], stats):
+                swap(k, ix, lo + 1, hi, stats)
+                if lt(k[lo + 1], ix[lo + 1], k[lo], ix[lo], stats):
+                    swap(k, ix, lo, lo + 1, stats)
+            pk, pi, qk, qi, rk, ri = k[lo], ix[lo], k[lo + 1], ix[lo + 1], k[hi], ix[hi]
             a, b, c, d = lo + 2, lo + 2, hi - 1, hi - 1
             while b <= c:
-                while b <= c and lt(keys, idx[b], q, stats):
-                    if lt(keys, idx[b], p, stats):
-                        swap(idx, a, b, stats)
+                while b <= c and lt(k[b], ix[b], qk, qi, stats):
+                    if lt(k[b], ix[b], pk, pi, stats):
+                        swap(k, ix, a, b, stats)
                         a += 1
                     b += 1
-                while b <= c and lt(keys, q, idx[c], stats):
-                    if lt(keys, r, idx[c], stats):
-                        swap(idx, c, d, stats)
+                while b <= c and lt(qk, qi, k[c], ix[c], stats):
+                    if lt(rk, ri, k[c], ix[c], stats):
+                        swap(k, ix, c, d, stats)
                         d -= 1
                     c -= 1
                 if b <= c:
-                    if lt(keys, r, idx[b], stats):
-                        if lt(keys, idx[c], p, stats):
-                            swap(idx, b, a, stats)
-                            swap(idx, a, c, stats)
+                    if lt(rk, ri, k[b], ix[b], stats):
+                        if lt(k[c], ix[c], pk, pi, stats):
+                            swap(k, ix, b, a, stats)
+                            swap(k, ix, a, c, stats)
                             a += 1
                         else:
-                            swap(idx, b, c, stats)
-                        swap(idx, c, d, stats)
+                            swap(k, ix, b, c, stats)
+                        swap(k, ix, c, d, stats)
                         d -= 1
                     else:
-                        if lt(keys, idx[c], p, stats):
-                            swap(idx, b, a, stats)
-                            swap(idx, a, c, stats)
+                        if lt(k[c], ix[c], pk, pi, stats):
+                            swap(k, ix, b, a, stats)
+                            swap(k, ix, a, c, stats)
                             a += 1
                         else:
-                            swap(idx, b, c, stats)
+                            swap(k, ix, b, c, stats)
                     b += 1
                     c -= 1
             a -= 1
             b -= 1
             d += 1
-            swap(idx, lo + 1, a, stats)
-            swap(idx, a, b, stats)
+            swap(k, ix, lo + 1, a, stats)
+            swap(k, ix, a, b, stats)
             a -= 1
-            swap(idx, lo, a, stats)
-            swap(idx, hi, d, stats)
+            swap(k, ix, lo, a, stats)
+            swap(k, ix, hi, d, stats)
             stack.append((lo, a - 1))
             stack.append((a + 1, b - 1))
             stack.append((b + 1, d - 1))
@@ -254,16 +258,16 @@ def argsort(
 ) -> np.ndarray:
     """Positions that sort ``keys`` ascending, ties by position; compiled when numba is installed."""
     _check(pivots, cutoff)
-    keys = np.ascontiguousarray(keys, dtype=np.float64)
+    k = np.array(keys, dtype=np.float64)  # a copy: it is sorted along
     stats = np.array([0, 0, seed & _MASK or 1, 0], dtype=np.int64)
     compiled = _compiled()
     if compiled is None:
-        idx = list(range(len(keys)))
-        _PURE[pivots](keys.tolist(), idx, cutoff, stats.tolist())
-        return np.asarray(idx, dtype=np.int64)
-    idx = np.arange(len(keys), dtype=np.int64)
-    compiled[pivots](keys, idx, cutoff, stats)
-    return idx
+        ix = list(range(len(k)))
+        _PURE[pivots](k.tolist(), ix, cutoff, stats.tolist())
+        return np.asarray(ix, dtype=np.int64)
+    ix = np.arange(len(k), dtype=np.int64)
+    compiled[pivots](k, ix, cutoff, stats)
+    return ix
 
 
 def count_costs(
@@ -273,14 +277,15 @@ def count_costs(
     seed: int = 1,
     cache: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, SortStats]:
-    """Pure-Python argsort with exact counts; ``cache=(block, blocks)`` also simulates an LRU cache."""
+    """Pure-Python argsort with exact counts; ``cache=(block, blocks)`` also runs the keys through an LRU cache."""
     _check(pivots, cutoff)
-    keys = np.asarray(keys, dtype=np.float64).tolist()
-    idx = LRUTrace(range(len(keys)), *cache) if cache else list(range(len(keys)))
+    values = np.asarray(keys, dtype=np.float64).tolist()
+    k = LRUTrace(values, *cache) if cache else values
+    ix = list(range(len(values)))
     stats = [0, 0, seed & _MASK or 1, 0]
-    _PURE[pivots](keys, idx, cutoff, stats)
-    misses = idx.misses if cache else None
-    return np.asarray(idx, dtype=np.int64), SortStats(stats[0], stats[1], stats[3], misses)
+    _PURE[pivots](k, ix, cutoff, stats)
+    misses = k.misses if cache else None
+    return np.asarray(ix, dtype=np.int64), SortStats(stats[0], stats[1], stats[3], misses)
 
 
 # Expected partitioning comparisons per element and pivot-sorting comparisons (Wild & Nebel; Kushagra et al.)
