@@ -30,23 +30,16 @@ def _csv(kind):
 
 
 def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
+    kinds = {
+        "swiftkv-head": dict(epochs=args.head_epochs),
+        "small-lm": dict(
+            epochs=args.small_lm_epochs, backbone_layers=args.small_lm_layers, lr=args.small_lm_lr
+        ),
+    }
     variants = {
-        "swiftkv-head listmle": dict(kind="swiftkv-head", objective="listmle", epochs=args.head_epochs),
-        "swiftkv-head buckets": dict(kind="swiftkv-head", objective="buckets", epochs=args.head_epochs),
-        "small-lm listmle": dict(
-            kind="small-lm",
-            objective="listmle",
-            epochs=args.small_lm_epochs,
-            backbone_layers=args.small_lm_layers,
-            lr=args.small_lm_lr,
-        ),
-        "small-lm buckets": dict(
-            kind="small-lm",
-            objective="buckets",
-            epochs=args.small_lm_epochs,
-            backbone_layers=args.small_lm_layers,
-            lr=args.small_lm_lr,
-        ),
+        f"{kind} {objective}": dict(kind=kind, objective=objective, **options)
+        for kind, options in kinds.items()
+        for objective in ("listmle", "buckets")
     }
     taus: dict[str, list[float]] = {name: [] for name in variants}
     first: dict[str, Path] = {}
