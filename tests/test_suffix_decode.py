@@ -39,6 +39,19 @@ def test_speculative_output_equals_greedy(family, mode):
     assert cache.num_responses == 3
 
 
+@pytest.mark.parametrize("mode", ["path", "tree"])
+def test_swiftkv_model_with_acrosskv_cache_rolls_back(mode):
+    from swiftkv.convert import to_swiftkv
+
+    model = to_swiftkv(tiny_base("llama"), num_key_value_layers=2, group_size=2)
+    model.generation_config.eos_token_id = None
+    cache = SuffixCache(SpecConfig(mode=mode, max_spec=8, min_token_prob=0.05))
+    prompt = repetitive_prompt(3)
+    stats = speculative_generate(model, prompt, 32, cache)
+    assert stats.tokens == greedy(model, prompt, 32)
+    assert stats.steps < len(stats.tokens) - 1
+
+
 def test_tree_draft_with_accepted_branch_laid_out_second():
     """A more frequent wrong branch comes first in the layout; the right one is accepted and fed again."""
     model = tiny_base("llama", num_hidden_layers=2)

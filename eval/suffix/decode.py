@@ -150,7 +150,8 @@ def speculative_generate(
     stats = GenerationStats()
     prompt = list(prompt)
     kv = DynamicCache(config=model.config)
-    logits = model(input_ids=torch.tensor([prompt], device=device), cache=kv, use_cache=True).logits
+    prompt_ids = torch.tensor([prompt], device=device)
+    logits = model(input_ids=prompt_ids, cache=kv, use_cache=True, logits_to_keep=1).logits
     first = int(logits[0, -1].argmax())
     stats.tokens.append(first)
     if suffix_cache is not None:
