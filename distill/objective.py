@@ -31,6 +31,20 @@ def _chunk_kl(
     return F.kl_div(s, t, log_target=True, reduction="sum")
 
 
+def _chunks(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, chunk_tokens: int):
+    """Fixed slices over all positions, each reduced to its counted rows.
+
+    The number of slices depends only on the batch shape, never on the mask, so every rank calls the
+    vocabulary head equally often: ZeRO-3 gathers the head's weight at each call, and a rank that called it
+    less would desynchronize the collectives.
+    """
+    rows = mask.reshape(-1).bool()
+    student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+    for i in range(0, rows.shape[0], chunk_tokens):
+        keep = rows[i : i + chunk_tokens]
+        yield student[i : i + chunk_tokens][keep], teacher[i : i + chunk_tokens][keep]
+
+
 def kd_loss(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -43,22 +57,14 @@ def kd_loss(
 
     student/teacher: [batch, seq, hidden] (or logits, with ``head=nn.Identity()``); mask: [batch, seq] of 0/1.
     """
-    rows = mask.reshape(-1).bool()
-    student, teacher = (
-        student.reshape(-1, student.shape[-1])[rows],
-        teacher.reshape(-1, teacher.shape[-1])[rows],
-    )
-    n = student.shape[0]
-    if n == 0:
-        return student.sum() * 0.0
+    recompute = mask.numel() > chunk_tokens and torch.is_grad_enabled()
     total = student.new_zeros((), dtype=torch.float32)
-    for i in range(0, n, chunk_tokens):
-        s, t = student[i : i + chunk_tokens], teacher[i : i + chunk_tokens]
-        if n > chunk_tokens and torch.is_grad_enabled():
+    for s, t in _chunks(student, teacher, mask, chunk_tokens):
+        if recompute:
             total = total + checkpoint(_chunk_kl, s, t, head, temperature, use_reentrant=False)
         else:
             total = total + _chunk_kl(s, t, head, temperature)
-    return total * temperature**2 / n
+    return total * temperature**2 / mask.sum().clamp(min=1)
 
 
 @torch.no_grad()
@@ -70,15 +76,9 @@ def agreement_metrics(
     chunk_tokens: int = 1024,
 ) -> torch.Tensor:
     """Sums over counted tokens of [KL at T=1, top-1 agreement, count] (sums, so ranks can add them)."""
-    rows = mask.reshape(-1).bool()
-    student, teacher = (
-        student.reshape(-1, student.shape[-1])[rows],
-        teacher.reshape(-1, teacher.shape[-1])[rows],
-    )
     out = torch.zeros(3, dtype=torch.float64, device=student.device)
-    for i in range(0, student.shape[0], chunk_tokens):
-        s = F.log_softmax(head(student[i : i + chunk_tokens]).float(), -1)
-        t = F.log_softmax(head(teacher[i : i + chunk_tokens]).float(), -1)
+    for s, t in _chunks(student, teacher, mask, chunk_tokens):
+        s, t = F.log_softmax(head(s).float(), -1), F.log_softmax(head(t).float(), -1)
         out[0] += F.kl_div(s, t, log_target=True, reduction="sum").double()
         out[1] += (s.argmax(-1) == t.argmax(-1)).sum()
         out[2] += s.shape[0]

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from swiftkv.artifacts import write_json_atomic
-from swiftkv.convert import read_config, resolve_num_key_value_layers, save_pretrained_swiftkv, to_swiftkv
+from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .data import build_datasets
 from .objective import DistillationObjective
@@ -50,26 +50,36 @@ def fingerprint(recipe: Recipe, num_processes: int) -> dict:
     return fields
 
 
-def load_model(recipe: Recipe):
+def load_model(recipe: Recipe, accelerator: Accelerator):
+    """The SwiftKV model in student mode.  A base source is first converted on disk into
+    ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
+    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(recipe.model.source)
     config = read_config(source)
-    dtype = getattr(torch, recipe.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation=recipe.model.attn_implementation
-    )
     if "num_key_value_layers" not in config:
         opts = recipe.model.swiftkv
         if opts is None:
             raise ValueError(
                 f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
             )
-        l = resolve_num_key_value_layers(
-            config["num_hidden_layers"], opts.num_key_value_layers, opts.fraction, opts.group_size
-        )
-        model = to_swiftkv(model, l, opts.group_size)
+        converted = Path(recipe.output_dir) / "converted"
+        with accelerator.main_process_first():
+            if accelerator.is_main_process and not (converted / "config.json").is_file():
+                convert(
+                    source,
+                    converted,
+                    num_key_value_layers=opts.num_key_value_layers,
+                    swiftkv_fraction=opts.fraction,
+                    group_size=opts.group_size,
+                    force=True,
+                )
+        source = converted
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=getattr(torch, recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
+    )
     model.set_mode("student")
     return model, tokenizer
 
@@ -147,10 +157,10 @@ def setup(recipe: Recipe) -> Run:
             raise ValueError(
                 "train.trainable=lora is not supported with ZeRO-3; use ZeRO-2 or trainable=swiftkv"
             )
-        ds_plugin.deepspeed_config["gradient_clipping"] = recipe.train.grad_clip or 0.0
+        ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)
     out = Path(recipe.output_dir)
-    model, tokenizer = load_model(recipe)
+    model, tokenizer = load_model(recipe, accelerator)
     model = select_trainable(model, recipe)
     with accelerator.main_process_first():
         train_rows, eval_rows = build_datasets(recipe.data, tokenizer, model.config.max_position_embeddings)
@@ -284,6 +294,10 @@ def train(recipe: Recipe) -> Path:
     epoch_batches = len(run.train_loader)
     skip = (step * cfg.train.grad_accum) % max(epoch_batches, 1)
     epoch = (step * cfg.train.grad_accum) // max(epoch_batches, 1)
+    initial = evaluate(run) if step == 0 else {}
+    if acc.is_main_process and initial:
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": 0, **initial}) + "\n")
     bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
     run.objective.train()
     while step < run.max_steps:

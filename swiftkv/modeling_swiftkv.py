@@ -139,20 +139,23 @@ class SwiftKVModelMixin:
         return [self.layers[j].self_attn for j in range(l, self.config.num_hidden_layers, g)]
 
     def _fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """All groups' K and V weights stacked into one matrix, rebuilt only when a weight changed."""
-        params = [
-            p
-            for attn in self.kv_leaders
-            for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)
-            for p in proj.parameters()
-        ]
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        """All groups' K and V weights stacked into one matrix for inference.
+
+        Cached; the cache is dropped on every train()/eval() switch and rebuilt when a weight's storage or
+        version changes (load_state_dict, in-place edits).  Optimizers that write through aliases (DeepSpeed
+        flat buffers) only run in training mode, where the cache is never used.
+        """
+        projs = [proj for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)]
+        key = tuple((p.data_ptr(), p._version) for proj in projs for p in proj.parameters())
         if self._fused_kv is None or self._fused_kv[0] != key:
-            projs = [proj for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)]
             weight = torch.cat([p.weight for p in projs])
             bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             self._fused_kv = (key, weight, bias)
         return self._fused_kv[1], self._fused_kv[2]
+
+    def train(self, mode: bool = True):
+        self._fused_kv = None
+        return super().train(mode)
 
     def swiftkv_key_values(
         self, x_l: torch.Tensor, prepared: _Prepared
@@ -165,7 +168,7 @@ class SwiftKVModelMixin:
         if num_groups == 0:
             return []
         h = self.norm_swiftkv(x_l)
-        if torch.is_grad_enabled():  # training: per-group projections keep ZeRO-3 partitioning simple
+        if torch.is_grad_enabled() or self.training:  # per-group projections: autograd and ZeRO-3 friendly
             kv = torch.cat(
                 [proj(h) for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)],
                 -1,

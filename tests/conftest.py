@@ -63,10 +63,14 @@ def smollm2() -> Path:
 
 
 CONVERSATIONS = [
-    {"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-                       {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
-                       {"from": "human", "value": "Thanks! And times two?"},
-                       {"from": "gpt", "value": f"That would be {4 * i}."}]}
+    {
+        "conversations": [
+            {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+            {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
+            {"from": "human", "value": "Thanks! And times two?"},
+            {"from": "gpt", "value": f"That would be {4 * i}."},
+        ]
+    }
     for i in range(40)
 ]
 
@@ -78,8 +82,15 @@ def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-chat")
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    base = tiny_base("llama", vocab_size=len(tokenizer), max_position_embeddings=512,
-                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    base = tiny_base(
+        "llama",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        initializer_range=0.2,
+    )  # peaked distributions, so teacher-student KL is measurable
     base.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

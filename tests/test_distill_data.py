@@ -35,9 +35,17 @@ def test_recipe_loads_with_overrides(recipe_file):
     [
         (["train.max_step=3"], ["recipe error: train.max_step: unknown key"]),
         (["optim.lr=fast"], ["recipe error: optim.lr: Input should be a valid number"]),
-        (["train.max_step=3", "loss.temperature=-1"],
-         ["recipe error: loss.temperature: Input should be greater than 0", "recipe error: train.max_step: unknown key"]),
-        (["model.swiftkv.num_key_value_layers=3"], ["set exactly one of swiftkv.num_key_value_layers and swiftkv.fraction"]),
+        (
+            ["train.max_step=3", "loss.temperature=-1"],
+            [
+                "recipe error: loss.temperature: Input should be greater than 0",
+                "recipe error: train.max_step: unknown key",
+            ],
+        ),
+        (
+            ["model.swiftkv.num_key_value_layers=3"],
+            ["set exactly one of swiftkv.num_key_value_layers and swiftkv.fraction"],
+        ),
         (["train.max_steps"], ["override 'train.max_steps' is not key=value"]),
     ],
 )
@@ -60,8 +68,12 @@ def test_recipe_file_errors(tmp_path):
 
 def test_assistant_mask_covers_exactly_the_assistant_turns(smollm2):
     tok = AutoTokenizer.from_pretrained(smollm2)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"},
-                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
     out = render_conversation(messages, tok)
     counted = [t for t, c in zip(out["input_ids"], out["counted"], strict=True) if c]
     text = tok.decode(counted)
@@ -72,8 +84,11 @@ def test_assistant_mask_covers_exactly_the_assistant_turns(smollm2):
 
 
 def test_pack_restarts_positions_and_shifts_the_mask():
-    samples = [{"input_ids": [5, 6, 7], "counted": [0, 1, 1]}, {"input_ids": [8, 9], "counted": [0, 1]},
-               {"input_ids": [1, 2, 3, 4, 5, 6], "counted": [1] * 6}]
+    samples = [
+        {"input_ids": [5, 6, 7], "counted": [0, 1, 1]},
+        {"input_ids": [8, 9], "counted": [0, 1]},
+        {"input_ids": [1, 2, 3, 4, 5, 6], "counted": [1] * 6},
+    ]
     rows = pack(samples, seq_len=6, pad_id=0)
     assert rows["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 5, 6]]
     assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
@@ -99,7 +114,9 @@ def test_packed_rows_attend_within_their_sample():
 
 def test_build_datasets_and_its_errors(tiny_chat_model, chat_data, tmp_path, recipe_file):
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
-    recipe = load_recipe(recipe_file, [f"data.sources.0.path={chat_data}", "data.holdout=0.1", "data.seq_len=128"])
+    recipe = load_recipe(
+        recipe_file, [f"data.sources.0.path={chat_data}", "data.holdout=0.1", "data.seq_len=128"]
+    )
     train, held = build_datasets(recipe.data, tok, max_positions=512)
     assert train["input_ids"].shape[1] == 128 and held["input_ids"].shape[0] >= 1
     assert train["loss_mask"].sum() > 0
