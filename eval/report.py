@@ -1,0 +1,120 @@
+"""``report.md`` and PNG plots from a run's ``run.json`` (variant x quality x speed x KV memory).
+
+Every number in the report is read from run.json, which the run that measured it wrote; the report lists
+the commands of that run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def table(run: dict) -> list[str]:
+    lengths = run["meta"]["prefill_lengths"]
+    n = lengths[-1]
+    lines = [
+        f"| variant | SwiftKV layers | KL before → after | top-1 agree | ppl student (teacher) | greedy prefix agree "
+        f"| prefill x @{n} (FLOP-ideal) | decode ratio | KV B/token | sharegpt_mc acc | sharegpt ppl (word) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in run["variants"]:
+        q, before, speed, lm = (
+            v.get("quality") or {},
+            v.get("quality_before") or {},
+            v.get("speed") or {},
+            v.get("lm_eval") or {},
+        )
+        kl = f"{_fmt(before.get('kl'))} → {_fmt(q.get('kl'))}" if before else _fmt(q.get("kl"))
+        prefill = f"{_fmt(speed.get('prefill_speedup', {}).get(str(n)), '.2f')}x ({_fmt(v['ideal_prefill_speedup'].get(str(n)), '.2f')}x)"
+        lines.append(
+            f"| {v['name']} | {v['swiftkv_layers']}/{v['num_layers']} | {kl} | {_fmt(q.get('top1_agreement'))} "
+            f"| {_fmt(q.get('ppl_student'), '.2f')} ({_fmt(q.get('ppl_teacher'), '.2f')}) "
+            f"| {_fmt(q.get('greedy_prefix_agreement'), '.2f')} | {prefill} | {_fmt(speed.get('decode_ratio'), '.3f')} "
+            f"| {v['kv_bytes_per_token']} | {_fmt(lm.get('sharegpt_mc', {}).get('acc'), '.2f')} "
+            f"| {_fmt(lm.get('sharegpt_ppl', {}).get('word_perplexity'), '.2f')} |"
+        )
+    return lines
+
+
+def plots(run: dict, out: Path) -> list[Path]:
+    lengths = run["meta"]["prefill_lengths"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for v in run["variants"]:
+        speed = v.get("speed") or {}
+        if speed.get("prefill_s"):
+            ax.plot(
+                lengths, [speed["prefill_s"][str(n)] * 1000 for n in lengths], marker="o", label=v["name"]
+            )
+    ax.set(xlabel="prompt tokens", ylabel="prefill ms (median)", title="Prefill time vs prompt length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    prefill_png = out / "prefill_vs_length.png"
+    fig.savefig(prefill_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    n = str(lengths[-1])
+    for v in run["variants"]:
+        q, speed = v.get("quality") or {}, v.get("speed") or {}
+        if "kl" in q and speed.get("prefill_speedup"):
+            ax.scatter(speed["prefill_speedup"][n], q["top1_agreement"], label=v["name"])
+            if v.get("quality_before"):
+                ax.scatter(
+                    speed["prefill_speedup"][n],
+                    v["quality_before"]["top1_agreement"],
+                    marker="x",
+                    color="gray",
+                )
+    ax.set(
+        xlabel=f"measured prefill speedup @{n} tokens",
+        ylabel="top-1 agreement with teacher",
+        title="Quality vs prefill savings (x = before distillation)",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    quality_png = out / "quality_vs_prefill.png"
+    fig.savefig(quality_png, dpi=120)
+    plt.close(fig)
+    return [prefill_png, quality_png]
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write ``report.md`` and the PNGs into ``run_dir`` from its ``run.json``; return the report path."""
+    run_dir = Path(run_dir)
+    path = run_dir / "run.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found; to resolve, run the demo (scripts/demo.py) into {run_dir} first"
+        )
+    run = json.loads(path.read_text())
+    pngs = plots(run, run_dir)
+    meta = run["meta"]
+    lines = [
+        f"# SwiftKV report: {meta['model']}",
+        "",
+        f"Measured on {meta['machine']} ({meta['threads']} threads, {meta['dtype']}), {meta['date']}."
+        " Speed: medians of interleaved repeats, ratios against the original measured in the same run."
+        " Quality: held-out ShareGPT conversations against each checkpoint's own teacher (the original weights).",
+        "",
+        *table(run),
+        "",
+        *[f"![{p.stem}]({p.name})" for p in pngs],
+        "",
+        "## Commands",
+        "",
+        *[f"    {c}" for c in run["commands"]],
+        "",
+    ]
+    report = run_dir / "report.md"
+    report.write_text("\n".join(lines))
+    return report

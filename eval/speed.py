@@ -1,0 +1,53 @@
+"""Prefill (TTFT) and decode (TPOT) timing on the transformers inference path, interleaved A/B.
+
+Prefill is what ``generate()`` does first: one forward over the prompt with a fresh cache and
+``logits_to_keep=1``.  Decode is one new token against a cache of ``context`` tokens, cropped back after each
+step.  Each repeat times every model once in a shuffled order, so a slow spell hits all alike; callers report
+medians and ratios to the original measured in the same run.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+@torch.inference_mode()
+def time_prefill(model, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def time_decode(model, ids: torch.Tensor, steps: int) -> float:
+    """Median seconds of one decode step after prefilling ``ids[:, :-1]``."""
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model(ids[:, -1:], cache=cache, use_cache=True)
+        times.append(time.perf_counter() - start)
+        cache.crop(-1)
+    return statistics.median(times)
+
+
+def interleaved(models: dict, measure, repeats: int, seed: int = 0) -> dict[str, float]:
+    """Median of ``measure(model)`` per model over ``repeats`` shuffled rounds."""
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        order = list(models)
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(measure(models[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(100, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
