@@ -41,6 +41,17 @@ class GenerationStats:
         return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
 
 
+def _select(draft: Draft, order: list[int]) -> Draft:
+    """The draft tokens ``order`` (parents before children) in that order, parent indices remapped."""
+    new_index = {old: new for new, old in enumerate(order)}
+    return Draft(
+        tokens=[draft.tokens[i] for i in order],
+        parents=[new_index.get(draft.parents[i], -1) for i in order],
+        probs=[draft.probs[i] for i in order],
+        match_len=draft.match_len,
+    )
+
+
 def layout_depth_first(draft: Draft) -> Draft:
     """Reorder a tree draft depth-first, most probable child first; parents keep preceding children."""
     children: dict[int, list[int]] = {}
@@ -52,13 +63,7 @@ def layout_depth_first(draft: Draft) -> Draft:
         i = stack.pop()
         order.append(i)
         stack.extend(sorted(children.get(i, []), key=lambda j: draft.probs[j]))
-    new_index = {old: new for new, old in enumerate(order)}
-    return Draft(
-        tokens=[draft.tokens[i] for i in order],
-        parents=[new_index.get(draft.parents[i], -1) for i in order],
-        probs=[draft.probs[i] for i in order],
-        match_len=draft.match_len,
-    )
+    return _select(draft, order)
 
 
 def truncate_depth(draft: Draft, max_depth: int) -> Draft:
@@ -69,13 +74,7 @@ def truncate_depth(draft: Draft, max_depth: int) -> Draft:
         depth.append(1 if p < 0 else depth[p] + 1)
         if depth[i] <= max_depth:
             keep.append(i)
-    new_index = {old: new for new, old in enumerate(keep)}
-    return Draft(
-        tokens=[draft.tokens[i] for i in keep],
-        parents=[new_index.get(draft.parents[i], -1) for i in keep],
-        probs=[draft.probs[i] for i in keep],
-        match_len=draft.match_len,
-    )
+    return _select(draft, keep)
 
 
 def _is_path(draft: Draft) -> bool:
