@@ -16,6 +16,7 @@ An exported ranker is ``ranker.json`` (score semantics, labels, options) + token
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -79,6 +80,7 @@ class HiddenStateFeatures:
         self.layer, self.max_prompt_tokens = layer, max_prompt_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
         self.model = AutoModel.from_pretrained(model_dir, num_hidden_layers=layer + 1, dtype=dtype).eval()
+        self._cache: dict[str, torch.Tensor] = {}
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         texts = [
@@ -107,14 +109,25 @@ class HiddenStateFeatures:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], batch_size: int = 8, progress: bool = False) -> torch.Tensor:
+        """Pooled features (n, 2H); each distinct prompt is run once per instance (later calls hit a cache)."""
         from tqdm import tqdm
 
-        out = []
-        for i in tqdm(range(0, len(prompts), batch_size), desc=f"x_{self.layer}", disable=not progress):
-            enc = self.encode(prompts[i : i + batch_size])
+        todo = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        for i in tqdm(range(0, len(todo), batch_size), desc=f"x_{self.layer}", disable=not progress):
+            enc = self.encode(todo[i : i + batch_size])
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
-            out.append(self.pool(hidden, enc["attention_mask"]))
-        return torch.cat(out) if out else torch.empty(0, 2 * self.model.config.hidden_size)
+            self._cache.update(
+                zip(todo[i : i + batch_size], self.pool(hidden, enc["attention_mask"]), strict=True)
+            )
+        if not prompts:
+            return torch.empty(0, 2 * self.model.config.hidden_size)
+        return torch.stack([self._cache[p] for p in prompts])
+
+
+@functools.cache
+def shared_features(model_dir: str, layer: int, max_prompt_tokens: int) -> HiddenStateFeatures:
+    """One feature extractor (model + cache) per process for each (model, layer, truncation)."""
+    return HiddenStateFeatures(model_dir, layer, max_prompt_tokens)
 
 
 class SwiftKVHead(nn.Module):
@@ -199,7 +212,7 @@ class Ranker:
             ]
             return torch.cat(parts).numpy() if parts else np.empty(0, np.float32)
         if self._features is None:
-            self._features = HiddenStateFeatures(
+            self._features = shared_features(
                 self.spec.target_model, self.spec.layer, self.spec.max_prompt_tokens
             )
         return to_scores(self.spec, self.head(self._features(prompts, batch_size, progress))).numpy()

@@ -23,13 +23,13 @@ from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_proven
 from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss
 from .predictors import (
     HEAD_FILE,
-    HiddenStateFeatures,
     Ranker,
     RankerSpec,
     SwiftKVHead,
     default_layer,
     load_small_lm,
     save_spec,
+    shared_features,
     small_lm_logits,
     to_scores,
 )
@@ -115,7 +115,7 @@ def train_ranker(
             raise ValueError("the traces name no model; to resolve, pass --target-model DIR")
         spec.layer = config.layer if config.layer is not None else default_layer(target)
         spec.target_model, spec.head_hidden = str(target), config.head_hidden
-        features = HiddenStateFeatures(target, spec.layer, spec.max_prompt_tokens)(
+        features = shared_features(str(target), spec.layer, spec.max_prompt_tokens)(
             prompts, config.batch_size, True
         )
         spec.feature_dim = features.shape[1]
