@@ -1,15 +1,18 @@
 """Reconstruction-free attention over a ``TaleLayer`` and its registration as ``attn_implementation='tale'``.
 
-For a compressed token with whitened key coefficients ``c`` (``k̂ = M_k c``, ``M_k = U_k·diag(s_k)``) the score
-is ``q·k̂ = (q M_k)·c``: each query is projected once into the basis (``q M_k``, ``(…, d)``) and every tier
+For a compressed token with key coefficients ``c`` (``k̂ = U_k[:, :r] c``) the score is
+``q·k̂ = (q U_k)[:r]·c``: each query is projected once into the basis (``q U_k``, ``(…, d)``) and every tier
 takes the first ``rank_t`` columns of it, so full keys are never rebuilt.  Values are folded after the
-weighted sum: ``Σ_j p_j v̂_j = M_v (Σ_j p_j c_j)``; the per-tier sums are accumulated in coefficient space
+weighted sum: ``Σ_j p_j v̂_j = U_v (Σ_j p_j c_j)``; the per-tier sums are accumulated in coefficient space
 (padded to ``d``) and mapped back once.  Exact tokens (sinks and window) are scored alongside, and one
 softmax runs over all columns, so the result equals softmax attention over the reconstructed K/V
 (``tests/test_kvcompress.py`` checks this) while the transient memory is ``O(n·rank)`` instead of ``O(n·d)``.
 
 The same pass records token significance (``TaleLayer.record_significance``) for the exact tokens and
-then lets the layer compress what left the window.  Queries are processed in chunks so a long prefill
+then lets the layer compress what left the window.  A prefill over exact tokens only observes significance
+from its last ``OBSERVED_QUERIES`` queries (SnapKV-style observation window) and runs the other queries
+through ``sdpa``: every prompt token outside the window is then judged by the same number of queries, as a
+decoded token is by the queries that arrive while it sits in the window, and prefill costs what sdpa costs.  Queries are processed in chunks so a long prefill
 never materializes the full ``q × n`` score matrix.  GQA is handled by folding a KV head's query heads
 into the query dimension (no ``repeat_kv``).
 
@@ -22,11 +25,13 @@ because its columns (exact vs. compressed) are not in one contiguous causal layo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import quant
 from .cache import ATTN_IMPLEMENTATION, TaleLayer
 
 QUERY_CHUNK = 512
+OBSERVED_QUERIES = 64  # a prefill's significance is observed from its last queries only
 
 
 def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor:
@@ -45,9 +50,23 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
     h = layer.exact_k.shape[1]
     g = hq // h
     allowed = _allowed_mask(mask, b, q, layer.length, query.device)
-    outs = [
+    outs, start = [], 0
+    if layer.n_compressed == 0 and q > OBSERVED_QUERIES:
+        # Prefill over exact tokens only: sdpa for all but the last queries, which also record significance.
+        start = q - OBSERVED_QUERIES
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, :start],
+                layer.exact_k,
+                layer.exact_v,
+                attn_mask=allowed[:, :, :start],
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
+    outs += [
         _attend_chunk(layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g)
-        for i in range(0, q, QUERY_CHUNK)
+        for i in range(start, q, QUERY_CHUNK)
     ]
     layer.finish_read()
     return torch.cat(outs, dim=-2).to(query.dtype).transpose(1, 2).contiguous()

@@ -72,10 +72,10 @@ class TaleLayer(CacheLayerMixin):
         self.cnt = torch.zeros(b, 0, device=self.device)
         self.tier_ids = torch.zeros(b, h, 0, dtype=torch.uint8, device=self.device)
         f = self.factors
-        self.key_map = (f.key_basis * f.key_scale.unsqueeze(-2)).to(
+        self.key_map = f.key_basis.to(
             self.device
-        )  # (h, d, d): k̂ = c @ key_mapᵀ
-        self.value_map = (f.value_basis * f.value_scale.unsqueeze(-2)).to(self.device)
+        )  # (h, d, d) orthonormal columns: k̂ = c @ key_map[:, :, :r]ᵀ
+        self.value_map = f.value_basis.to(self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -174,24 +174,8 @@ class TaleLayer(CacheLayerMixin):
             if count == 0:
                 continue
             idx = torch.argsort((tier_id != t).to(torch.uint8), dim=-1, stable=True)[..., :count]
-            self.tier_k[t] = self._append(
-                self.tier_k[t],
-                keys,
-                idx,
-                self.factors.key_basis,
-                self.factors.key_scale,
-                tier.k_rank,
-                tier.bits,
-            )
-            self.tier_v[t] = self._append(
-                self.tier_v[t],
-                values,
-                idx,
-                self.factors.value_basis,
-                self.factors.value_scale,
-                tier.v_rank,
-                tier.bits,
-            )
+            self.tier_k[t] = self._append(self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits)
+            self.tier_v[t] = self._append(self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits)
         self.tier_ids = torch.cat([self.tier_ids, tier_id], dim=-1)
         keep = lambda x: torch.cat([x[..., :start, :], x[..., stop:, :]], dim=-2).contiguous()  # noqa: E731
         self.exact_k, self.exact_v = keep(self.exact_k), keep(self.exact_v)
@@ -199,10 +183,9 @@ class TaleLayer(CacheLayerMixin):
         self.cnt = torch.cat([self.cnt[..., :start], self.cnt[..., stop:]], dim=-1).contiguous()
         self.n_compressed += n
 
-    def _append(self, store, states, idx, basis, scale, rank, bits) -> quant.QTensor:
+    def _append(self, store, states, idx, basis, rank, bits) -> quant.QTensor:
         picked = torch.gather(states, 2, idx.unsqueeze(-1).expand(*idx.shape, states.shape[-1]))
-        basis, scale = basis[..., :rank].to(self.device), scale[..., :rank].to(self.device)
-        coeffs = (picked.float() @ basis) / scale.unsqueeze(-2)
+        coeffs = picked.float() @ basis[..., :rank]
         if bits is None:
             coeffs = coeffs.to(self.dtype)
         new = quant.quantize(coeffs, bits, self.policy.group_size)

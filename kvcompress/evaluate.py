@@ -8,7 +8,8 @@ continuation tokens only, against the uncompressed model's logits of the same ru
 Methods are named by short specs so the benchmark's table is reproducible from its command line:
 
 - ``full``: ``DynamicCache`` (the baseline, sdpa attention);
-- ``tale:B`` (optionally ``tale:B:8,4,2``): TALE with ``Policy.from_budget(B, bits)``;
+- ``tale:B`` (optionally ``tale:B:8-4-2``, one bit width per tier): TALE with ``Policy.from_budget(B, bits)``;
+- ``tiers:SPEC``: explicit tiers, e.g. ``tiers:32/48@4x0.3+16/32@2x0.7`` (K/V ranks @ bits x fraction);
 - ``lowrank:R:BITS``: one tier of rank ``R`` for every compressed token (uniform low rank; BITS 16 = fp16);
 - ``quant:BITS``: identity basis, i.e. plain per-token quantization of K/V (uniform quantization);
 - ``hf-fp8``: transformers' ``QuantizedCache(backend="fp8")`` (quanto/HQQ backends are not installed here).
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from .attention import enable_tale
 from .cache import TaleCache
 from .factors import Factors, identity_factors
-from .policy import Policy, uniform_policy
+from .policy import Policy, Tier, uniform_policy
 
 
 def make_method(
@@ -48,17 +49,30 @@ def make_method(
         return lambda: QuantizedCache(backend="fp8", config=model.config)
     enable_tale(model)
     if name == "tale":
-        bits = [int(b) for b in args[1].split(",")] if len(args) > 1 else [8, 4, 2]
+        bits = [int(b) for b in args[1].split("-")] if len(args) > 1 else [8, 4, 2]
         policy = Policy.from_budget(float(args[0]), bits, head_dim, **shared)
+    elif name == "tiers":
+        policy = Policy(tiers=parse_tiers(args[0]), **shared)
     elif name == "lowrank":
         policy = uniform_policy(int(args[0]), int(args[1]), **shared)
     elif name == "quant":
         factors, policy = identity_factors(model.config), uniform_policy(head_dim, int(args[0]), **shared)
     else:
         raise ValueError(
-            f"unknown method {spec!r}; to resolve, use full, tale:B, lowrank:R:BITS, quant:BITS or hf-fp8"
+            f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS or hf-fp8"
         )
     return lambda: TaleCache(factors, policy, model.config, model=model)
+
+
+def parse_tiers(spec: str) -> list[Tier]:
+    """``"32/48@4x0.3+16/32@2x0.7"``: tiers of K-rank/V-rank at bits for a fraction, most significant first."""
+    tiers = []
+    for part in spec.split("+"):
+        ranks, rest = part.split("@")
+        bits, fraction = rest.split("x")
+        k_rank, v_rank = (int(r) for r in ranks.split("/"))
+        tiers.append(Tier(k_rank=k_rank, v_rank=v_rank, bits=int(bits), fraction=float(fraction)))
+    return tiers
 
 
 def kv_bytes(cache) -> int:
@@ -128,3 +142,24 @@ def decode_step_seconds(model, ids: torch.Tensor, cache, steps: int) -> list[flo
         times.append(time.perf_counter() - start)
         token = out.logits[:, -1:].argmax(-1)
     return times
+
+
+def weight_svd_bases(model, layer_idx: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head left singular vectors of ``k_proj``/``v_proj`` (the data-free alternative to calibration)."""
+    params = dict(model.named_parameters())
+    out = []
+    for proj in ("k_proj", "v_proj"):
+        weight = next(
+            p for n, p in params.items() if n.endswith(f"layers.{layer_idx}.self_attn.{proj}.weight")
+        )
+        per_head = weight.detach().float().unflatten(0, (heads, -1))  # (heads, d, hidden)
+        out.append(torch.linalg.svd(per_head, full_matrices=False).U)
+    return out[0], out[1]
+
+
+def energy_error(second_moment: torch.Tensor, basis: torch.Tensor, rank: int) -> float:
+    """Share of the held-out energy ``E‖x‖²`` that a rank-``rank`` projection onto ``basis`` loses."""
+    top = basis[..., :rank].double()
+    kept = torch.einsum("hdr,hde,her->h", top, second_moment.double(), top)
+    total = second_moment.double().diagonal(dim1=-2, dim2=-1).sum(-1)
+    return float((1 - kept / total).mean())

@@ -7,9 +7,7 @@ each token in a low-rank basis, with a bit width chosen per token (8/4/2 bits by
 Design choices:
 
 - **Groups along the rank dimension of one token** (``group_size`` coefficients share one scale and one
-  zero point; by default the whole coefficient vector is one group).  The coefficients are whitened by
-  the calibration (divided by each component's RMS, see ``kvcompress.factors``), so the components of a
-  token have comparable ranges and one group per token loses little.
+  zero point; by default the whole coefficient vector is one group, the cheapest in bytes).
 - **Asymmetric min/max** with the scale and zero point stored in fp16.  Quantization uses the fp16-rounded
   scale and zero, so ``dequantize`` reproduces exactly the grid ``quantize`` rounded to: the error of every
   element is at most half a step (``scale / 2``), up to fp16 rounding of the zero point.

@@ -22,15 +22,17 @@ import time
 
 import torch
 
-from kvcompress.calibrate import HELDOUT_OFFSET
+from kvcompress.calibrate import HELDOUT_OFFSET, accumulate
 from kvcompress.evaluate import (
     compare,
     continuation_logits,
     decode_step_seconds,
+    energy_error,
     fp16_kv_bytes,
     kv_bytes,
     long_sequences,
     make_method,
+    weight_svd_bases,
 )
 from kvcompress.factors import load_factors
 
@@ -53,7 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: small decode ops do not wait on busy cores)"
+    )
+    p.add_argument(
+        "--compare-bases", action="store_true", help="held-out energy lost: calibrated PCA vs weight SVD"
+    )
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -118,6 +125,22 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
     return out
 
 
+def compare_bases(model, tok, factors, ranks=(16, 32, 48)) -> dict[str, dict]:
+    """Held-out energy each basis loses at each rank, averaged over layers and heads."""
+    moments = accumulate(model, long_sequences(tok, 512, 4, HELDOUT_OFFSET + 2000))
+    heads = factors.meta["num_key_value_heads"]
+    rows: dict[str, dict] = {}
+    for idx, (km, vm, n) in moments.layers.items():
+        wk, wv = weight_svd_bases(model, idx, heads)
+        lf = factors.layers[idx]
+        bases = {"K calibrated (post-RoPE)": (km, lf.key_basis), "K weight SVD": (km, wk)}
+        bases |= {"V calibrated": (vm, lf.value_basis), "V weight SVD": (vm, wv)}
+        for name, (moment, basis) in bases.items():
+            for r in ranks:
+                rows.setdefault(name, {}).setdefault(r, []).append(energy_error(moment / n, basis, r))
+    return {name: {r: statistics.mean(v) for r, v in per.items()} for name, per in rows.items()}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -129,14 +152,16 @@ def main(argv=None) -> int:
     factors.check_model(model.config, model)
     q = quality(model, tok, factors, args)
     lat = latency(model, tok, factors, args) if args.latency_contexts else {}
+    bases = compare_bases(model, tok, factors) if args.compare_bases else {}
 
     print(
         f"\nquality: {args.samples} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
     )
-    print(f"{'method':<16}{'KV x vs fp16':>13}{'ppl':>9}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
+    w = max(len(m) for m in q) + 2
+    print(f"{'method':<{w}}{'KV x vs fp16':>13}{'ppl':>10}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
     for m, r in q.items():
         print(
-            f"{m:<16}{r['ratio_vs_fp16']:>13.2f}{r['ppl']:>9.3f}{r['ppl_increase_pct']:>9.2f}"
+            f"{m:<{w}}{r['ratio_vs_fp16']:>13.2f}{r['ppl']:>10.3f}{r['ppl_increase_pct']:>9.2f}"
             f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
         )
     if lat:
@@ -146,11 +171,17 @@ def main(argv=None) -> int:
         for m, per in lat.items():
             cells = [f"{v['ms']:.1f} ({list(v.values())[1]:.2f}x)" for v in per.values()]
             print(f"{m:<16}" + "".join(f"{c:>18}" for c in cells))
+    if bases:
+        print("\nheld-out energy lost by a rank-r basis (mean over layers/heads)")
+        print(f"{'basis':<28}" + "".join(f"{'r=' + str(r):>9}" for r in next(iter(bases.values()))))
+        for name, per in bases.items():
+            print(f"{name:<28}" + "".join(f"{v:>9.3f}" for v in per.values()))
     if args.out:
         from swiftkv.artifacts import write_json_atomic
 
         write_json_atomic(
-            args.out, {"args": vars(args), "quality": q, "latency": lat, "anchor": "TALE paper: 9.1x"}
+            args.out,
+            {"args": vars(args), "quality": q, "latency": lat, "bases": bases, "anchor": "TALE paper: 9.1x"},
         )
     return 0
 
