@@ -55,14 +55,14 @@ def _profile_runs(states: list[JobState], cluster: Cluster) -> list[JobState]:
     return runs
 
 
-def plan(cluster: Cluster, jobs: JobList, explore: int = 2) -> dict[str, Any]:
+def plan(cluster: Cluster, jobs: JobList, explore: int = 2, time_limit_s: float = 10.0) -> dict[str, Any]:
     """Sia allocation and placement of ``jobs`` on ``cluster`` for the coming round."""
     states = [job_state(j, cluster) for j in jobs.jobs]
     profiled = [s for s in states if s.model.observations]
     runs = _profile_runs(states, cluster)
     tic = time.perf_counter()
     alloc: dict[str, Config | None] = (
-        sia_policy(profiled + runs, cluster, explore) if profiled or runs else {}
+        sia_policy(profiled + runs, cluster, explore, time_limit_s) if profiled or runs else {}
     )
     runtime = time.perf_counter() - tic
     previous = {j.name: j.current for j in jobs.jobs if j.current is not None}

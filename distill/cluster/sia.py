@@ -39,6 +39,8 @@ class Problem:
     configs: list[Config]
     goodput: np.ndarray
     """jobs × configs estimated goodput (samples/s)."""
+    mip_gap: float | None = None
+    """Relative gap HiGHS reported for the last solve (0 = proven optimal)."""
 
     def current_index(self, i: int) -> int | None:
         cur = self.jobs[i].current
@@ -92,9 +94,18 @@ def _undominated(cost_row: np.ndarray, configs: list[Config], keep: int | None) 
 
 
 def solve(
-    problem: Problem, cluster: Cluster, p: float = P, lam: float = LAMBDA, time_limit_s: float = 10.0
+    problem: Problem,
+    cluster: Cluster,
+    p: float = P,
+    lam: float = LAMBDA,
+    time_limit_s: float = 10.0,
+    mip_rel_gap: float = 1e-4,
 ) -> list[int | None]:
-    """Optimal configuration index per job (None = not allocated) under the Sia objective."""
+    """Configuration index per job (None = not allocated) minimizing the Sia objective.
+
+    HiGHS stops at a proven relative gap of ``mip_rel_gap`` (0: exact) or after ``time_limit_s`` with its
+    best solution; the gap reached is left in ``problem.mip_gap``.
+    """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import csr_array
 
@@ -124,8 +135,9 @@ def solve(
         integrality=np.ones(n),
         bounds=Bounds(np.asarray(lower), np.ones(n)),
         constraints=[LinearConstraint(a_job, 0, 1), LinearConstraint(a_cap, 0, caps)],
-        options={"time_limit": time_limit_s},
+        options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap},
     )
+    problem.mip_gap = res.mip_gap
     if res.x is None:
         raise RuntimeError(
             f"Sia ILP found no solution ({res.message}); non-preemptible jobs exceed capacity?"
@@ -136,8 +148,10 @@ def solve(
     return out
 
 
-def sia_policy(jobs: list[JobState], cluster: Cluster, explore: int = 2) -> dict[str, Config | None]:
-    """One Sia round: the configuration each job should run on."""
+def sia_policy(
+    jobs: list[JobState], cluster: Cluster, explore: int = 2, time_limit_s: float = 1.0
+) -> dict[str, Config | None]:
+    """One Sia round: the configuration each job should run on (solver capped at ``time_limit_s``)."""
     problem = goodput_matrix(jobs, cluster, explore)
-    choice = solve(problem, cluster)
+    choice = solve(problem, cluster, time_limit_s=time_limit_s)
     return {s.name: None if j is None else problem.configs[j] for s, j in zip(jobs, choice, strict=True)}
