@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .configs import Config
+from .sia import assignment_constraints
 from .spec import Cluster
 from .state import JobState
 
@@ -31,10 +32,8 @@ def _requested_options(s: JobState, cluster: Cluster) -> dict[Config, float]:
 
 def gavel_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | None]:
     """Max-sum-normalized-throughput over GPU types, requests fixed, solved with ``scipy.optimize.milp``."""
-    from scipy.optimize import LinearConstraint, milp
-    from scipy.sparse import csr_array
+    from scipy.optimize import milp
 
-    types = [t.name for t in cluster.gpu_types]
     var_job, var_cfg, value = [], [], []
     oldest = sorted(jobs, key=lambda s: s.arrival_s)
     rank = {s.name: len(jobs) - k for k, s in enumerate(oldest)}
@@ -49,18 +48,12 @@ def gavel_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | N
     out: dict[str, Config | None] = {s.name: None for s in jobs}
     if not var_job:
         return out
-    n = len(var_job)
     vj = np.asarray(var_job)
-    a_job = csr_array((np.ones(n), (vj, np.arange(n))), shape=(len(jobs), n))
-    gpus = np.array([c.gpus for c in var_cfg], float)
-    tidx = np.array([types.index(c.gpu_type) for c in var_cfg])
-    a_cap = csr_array((gpus, (tidx, np.arange(n))), shape=(len(types), n))
-    caps = np.array([t.capacity for t in cluster.gpu_types], float)
     res = milp(
         -np.asarray(value),
-        integrality=np.ones(n),
+        integrality=np.ones(len(vj)),
         bounds=(0, 1),
-        constraints=[LinearConstraint(a_job, 0, 1), LinearConstraint(a_cap, 0, caps)],
+        constraints=assignment_constraints(vj, var_cfg, len(jobs), cluster),
     )
     for k in np.flatnonzero(res.x > 0.5):
         out[jobs[vj[k]].name] = var_cfg[k]

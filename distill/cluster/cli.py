@@ -23,7 +23,7 @@ def _plan(args: argparse.Namespace) -> None:
     from .spec import load_cluster, load_jobs
 
     cluster = load_cluster(args.cluster)
-    result = plan(cluster, load_jobs(args.jobs, cluster), explore=args.explore)
+    result = plan(cluster, load_jobs(args.jobs, cluster), args.explore, args.time_limit)
     for e in result["jobs"]:
         where = " ".join(
             f"{h}:{','.join(map(str, g))}" for h, g in zip(e["hosts"], e["placement"].values(), strict=True)
@@ -85,61 +85,45 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(
         prog="python -m distill.cluster",
         description="Sia-style heterogeneity-aware, goodput-optimized planning of distillation jobs.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=fmt,
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser(
-        "plan",
-        help="allocate and place jobs for the coming round",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    commands = {
+        "plan": (_plan, "allocate and place jobs for the coming round"),
+        "launch-configs": (_launch, "accelerate/DeepSpeed configs per planned job"),
+        "trace": (_trace, "generate a seeded synthetic (Philly-like) trace CSV"),
+        "simulate": (_simulate, "replay a trace under policies; JCT table and plot"),
+    }
+    p = {}
+    for name, (func, text) in commands.items():
+        p[name] = sub.add_parser(name, help=text, description=text, epilog=EPILOG, formatter_class=fmt)
+        p[name].set_defaults(func=func)
+    p["plan"].add_argument("cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
+    p["plan"].add_argument("jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement)")
+    p["plan"].add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
+    p["plan"].add_argument(
+        "--explore", type=int, default=2, help="max GPUs = this x largest measured (default 2)"
     )
-    p.add_argument("cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
-    p.add_argument("jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, current placement)")
-    p.add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
-    p.add_argument(
-        "--explore", type=int, default=2, help="max GPUs = this x largest count measured (default 2)"
-    )
-    p.set_defaults(func=_plan)
-    p = sub.add_parser(
-        "launch-configs",
-        help="accelerate/DeepSpeed configs per planned job",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("plan", help="plan.json written by `plan`")
-    p.add_argument("out", help="output folder (one sub-folder per job)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    p.set_defaults(func=_launch)
-    p = sub.add_parser(
-        "trace",
-        help="generate a seeded synthetic (Philly-like) trace CSV",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("cluster")
-    p.add_argument("out", help="trace CSV to write")
-    p.add_argument("--jobs", type=int, default=160)
-    p.add_argument("--hours", type=float, default=8.0, help="arrival window (default 8)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_trace)
-    p = sub.add_parser(
-        "simulate",
-        help="replay a trace under policies; JCT table and plot",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("cluster")
-    p.add_argument("trace", help="trace CSV (from `trace`)")
-    p.add_argument("--policy", default="sia,gavel,fifo", help="comma-separated: sia, gavel, fifo")
-    p.add_argument("--round", type=float, default=60.0, help="round length in seconds (default 60)")
-    p.add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
-    p.add_argument("--out", default=None, help="folder for metrics.json and jct.png")
-    p.set_defaults(func=_simulate)
+    p["plan"].add_argument("--time-limit", type=float, default=10.0, help="solver time limit, s (default 10)")
+    p["launch-configs"].add_argument("plan", help="plan.json written by `plan`")
+    p["launch-configs"].add_argument("out", help="output folder (one sub-folder per job)")
+    p["launch-configs"].add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    p["trace"].add_argument("cluster", help="cluster.yaml (type names and tflops)")
+    p["trace"].add_argument("out", help="trace CSV to write")
+    p["trace"].add_argument("--jobs", type=int, default=160, help="number of jobs (default 160)")
+    p["trace"].add_argument("--hours", type=float, default=8.0, help="arrival window (default 8)")
+    p["trace"].add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p["simulate"].add_argument("cluster", help="cluster.yaml")
+    p["simulate"].add_argument("trace", help="trace CSV (from `trace`)")
+    p["simulate"].add_argument("--policy", default="sia,gavel,fifo", help="comma-separated: sia, gavel, fifo")
+    p["simulate"].add_argument("--round", type=float, default=60.0, help="round length, s (default 60)")
+    p["simulate"].add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
+    p["simulate"].add_argument("--out", default=None, help="folder for metrics.json and jct.png")
     return ap
 
 

@@ -93,6 +93,22 @@ def _undominated(cost_row: np.ndarray, configs: list[Config], keep: int | None) 
     return out
 
 
+def assignment_constraints(
+    var_job: np.ndarray, var_cfg: list[Config], num_jobs: int, cluster: Cluster
+) -> list:
+    """Rows shared by every allocation ILP: ≤ 1 configuration per job, GPUs per type ≤ capacity."""
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import csr_array
+
+    n, types = len(var_cfg), [t.name for t in cluster.gpu_types]
+    gpus = np.array([c.gpus for c in var_cfg], float)
+    tidx = np.array([types.index(c.gpu_type) for c in var_cfg])
+    a_job = csr_array((np.ones(n), (var_job, np.arange(n))), shape=(num_jobs, n))
+    a_cap = csr_array((gpus, (tidx, np.arange(n))), shape=(len(types), n))
+    caps = np.array([t.capacity for t in cluster.gpu_types], float)
+    return [LinearConstraint(a_job, 0, 1), LinearConstraint(a_cap, 0, caps)]
+
+
 def solve(
     problem: Problem,
     cluster: Cluster,
@@ -106,12 +122,10 @@ def solve(
     HiGHS stops at a proven relative gap of ``mip_rel_gap`` (0: exact) or after ``time_limit_s`` with its
     best solution; the gap reached is left in ``problem.mip_gap``.
     """
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import csr_array
+    from scipy.optimize import Bounds, milp
 
     cost = costs(problem, p)
     configs = problem.configs
-    types = [t.name for t in cluster.gpu_types]
     var_job, var_cfg, lower = [], [], []
     for i, s in enumerate(problem.jobs):
         cur = problem.current_index(i)
@@ -125,16 +139,11 @@ def solve(
     n = len(var_job)
     vj, vc = np.asarray(var_job), np.asarray(var_cfg)
     c = cost[vj, vc] - lam
-    gpus = np.array([configs[j].gpus for j in vc], float)
-    tidx = np.array([types.index(configs[j].gpu_type) for j in vc])
-    a_job = csr_array((np.ones(n), (vj, np.arange(n))), shape=(len(problem.jobs), n))
-    a_cap = csr_array((gpus, (tidx, np.arange(n))), shape=(len(types), n))
-    caps = np.array([t.capacity for t in cluster.gpu_types], float)
     res = milp(
         c,
         integrality=np.ones(n),
         bounds=Bounds(np.asarray(lower), np.ones(n)),
-        constraints=[LinearConstraint(a_job, 0, 1), LinearConstraint(a_cap, 0, caps)],
+        constraints=assignment_constraints(vj, [configs[j] for j in vc], len(problem.jobs), cluster),
         options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap},
     )
     problem.mip_gap = res.mip_gap

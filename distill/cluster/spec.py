@@ -12,6 +12,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+def _require_unique(names: list[str], what: str) -> None:
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"duplicate {what} names {dup}; to resolve, give each {what} its own name")
+
+
 class GpuType(BaseModel):
     """One kind of accelerator and how many nodes of it the cluster has."""
 
@@ -64,9 +70,7 @@ class Cluster(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> Cluster:
-        names = [t.name for t in self.gpu_types]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate GPU type names {names}; to resolve, give each type its own name")
+        _require_unique([t.name for t in self.gpu_types], "GPU type")
         return self
 
     def type(self, name: str) -> GpuType:
@@ -144,10 +148,7 @@ class JobList(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> JobList:
-        names = [j.name for j in self.jobs]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"duplicate job names {dup}; to resolve, give each job its own name")
+        _require_unique([j.name for j in self.jobs], "job")
         return self
 
 
