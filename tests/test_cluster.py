@@ -188,6 +188,12 @@ def test_input_errors_are_one_line(tmp_path):
     )
     with pytest.raises(ValueError, match="not in the cluster"):
         load_jobs(tmp_path / "j.yaml", cluster)
+    (tmp_path / "j.yaml").write_text(
+        "jobs:\n  - {name: a, current: {gpu_type: x, gpus: {0: [0, 1]}}}\n"
+        "  - {name: b, current: {gpu_type: x, gpus: {0: [1]}}}\n"
+    )
+    with pytest.raises(ValueError, match="also used by 'a'"):
+        load_jobs(tmp_path / "j.yaml", cluster)
     from distill.cluster.plan import job_state
 
     with pytest.raises(ValueError, match="fits no configuration"):

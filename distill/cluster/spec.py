@@ -189,6 +189,7 @@ def load_jobs(path: Path | str, cluster: Cluster) -> JobList:
     """Read ``jobs.yaml`` and check that every GPU type it names exists in ``cluster``."""
     jobs: JobList = _load(path, JobList, "jobs")  # type: ignore[assignment]
     valid = {t.name for t in cluster.gpu_types}
+    owner: dict[tuple[str, int, int], str] = {}
     for job in jobs.jobs:
         named = {o.gpu_type for o in job.observed} | ({job.current.gpu_type} if job.current else set())
         if named - valid:
@@ -196,4 +197,15 @@ def load_jobs(path: Path | str, cluster: Cluster) -> JobList:
                 f"{path}: job {job.name!r} names GPU types {sorted(named - valid)} not in the cluster "
                 f"{sorted(valid)}; to resolve, use the cluster's type names"
             )
+        for node, gpus in job.current.gpus.items() if job.current else []:
+            gpu = cluster.type(job.current.gpu_type)
+            for g in gpus:
+                cell = (gpu.name, node, g)
+                if not (0 <= node < gpu.nodes and 0 <= g < gpu.gpus_per_node) or cell in owner:
+                    why = f"also used by {owner[cell]!r}" if cell in owner else "outside the cluster"
+                    raise ValueError(
+                        f"{path}: job {job.name!r} current GPU {g} of {gpu.name} node {node} is {why}; "
+                        "to resolve, give each running job its own GPUs"
+                    )
+                owner[cell] = job.name
     return jobs
