@@ -150,20 +150,21 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     factors = load_factors(args.factors)
     factors.check_model(model.config, model)
-    q = quality(model, tok, factors, args)
+    q = quality(model, tok, factors, args) if args.samples else {}
     lat = latency(model, tok, factors, args) if args.latency_contexts else {}
     bases = compare_bases(model, tok, factors) if args.compare_bases else {}
 
-    print(
-        f"\nquality: {args.samples} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
-    )
-    w = max(len(m) for m in q) + 2
-    print(f"{'method':<{w}}{'KV x vs fp16':>13}{'ppl':>10}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
-    for m, r in q.items():
+    if q:
         print(
-            f"{m:<{w}}{r['ratio_vs_fp16']:>13.2f}{r['ppl']:>10.3f}{r['ppl_increase_pct']:>9.2f}"
-            f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
+            f"\nquality: {args.samples} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
         )
+        w = max(len(m) for m in q) + 2
+        print(f"{'method':<{w}}{'KV x vs fp16':>13}{'ppl':>10}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
+        for m, r in q.items():
+            print(
+                f"{m:<{w}}{r['ratio_vs_fp16']:>13.2f}{r['ppl']:>10.3f}{r['ppl_increase_pct']:>9.2f}"
+                f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
+            )
     if lat:
         contexts = list(next(iter(lat.values())))
         print("\ndecode ms/step (median; ratio vs first method)")
