@@ -70,11 +70,26 @@ def render_conversation(messages: list[dict], tokenizer, loss_on: str = "assista
     return {"input_ids": enc["input_ids"], "counted": counted}
 
 
+def _instruction(record: dict) -> list[dict]:
+    """Instruction/response records (OpenOrca, Alpaca style) as turns."""
+    prompt = next((record[k] for k in ("question", "instruction", "prompt") if record.get(k)), None)
+    answer = next((record[k] for k in ("response", "output", "answer") if record.get(k)), None)
+    if prompt is None or answer is None:
+        return []
+    system = [{"role": "system", "content": record["system_prompt"]}] if record.get("system_prompt") else []
+    return [*system, {"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
 def _tokenize(record: dict, tokenizer, source: DataSource, loss_on: str) -> dict[str, list[int]]:
     if source.format == "text":
         ids = tokenizer(record["text"], add_special_tokens=False)["input_ids"]
         return {"input_ids": ids, "counted": [1] * len(ids)}
-    turns = record.get("conversations") or record.get("messages") or []
+    turns = (
+        record.get("conversations")
+        or record.get("messages")
+        or record.get("conversation")
+        or _instruction(record)
+    )
     messages = to_messages(turns)
     if not any(m["role"] == "assistant" for m in messages):
         return {"input_ids": [], "counted": []}

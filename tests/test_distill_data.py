@@ -129,3 +129,28 @@ def test_build_datasets_and_its_errors(tiny_chat_model, chat_data, tmp_path, rec
     empty.write_text('{"conversations": [{"from": "human", "value": "only a question"}]}\n')
     with pytest.raises(DataError, match="empty after filtering"):
         build_datasets(load_recipe(recipe_file, [f"data.sources.0.path={empty}"]).data, tok)
+
+
+def test_shipped_recipes_validate():
+    from pathlib import Path
+
+    recipes = sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml"))
+    assert len(recipes) >= 4
+    for path in recipes:
+        load_recipe(path)
+
+
+def test_instruction_records_become_conversations(smollm2):
+    from distill.data import _tokenize
+    from distill.recipe import DataSource
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    out = _tokenize(
+        {"system_prompt": "Be brief.", "question": "2+2?", "response": "4"},
+        tok,
+        DataSource(path="x"),
+        "assistant",
+    )
+    assert (
+        tok.decode([t for t, c in zip(out["input_ids"], out["counted"], strict=True) if c]) == "4<|im_end|>\n"
+    )

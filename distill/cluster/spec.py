@@ -157,7 +157,7 @@ def _one_line(path: Path | str, err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "<file>"
         parts.append(f"{loc}: {e['msg']}")
-    return f"{path}: " + "; ".join(parts)
+    return f"{path}: " + "; ".join(parts) + " (to resolve, fix these fields; examples in recipes/cluster/)"
 
 
 def _load(path: Path | str, model: type[BaseModel], what: str) -> BaseModel:

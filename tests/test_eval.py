@@ -1,0 +1,162 @@
+"""Evaluation: stock lm-eval on a converted checkpoint, report from a fixture run, resumable stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eval.pipeline import run_stage
+from eval.report import write_report
+from eval.tasks import write_tasks
+from swiftkv.convert import convert
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory, smollm2):
+    from distill.sharegpt import sharegpt_path
+
+    if not sharegpt_path().is_file():
+        pytest.skip("ShareGPT not fetched; run `python scripts/fetch_assets.py sharegpt`")
+    return write_tasks(tmp_path_factory.mktemp("tasks"), n_docs=6)
+
+
+def test_stock_lm_eval_runs_a_converted_checkpoint(tiny_chat_model, tasks_dir, tmp_path):
+    model = convert(tiny_chat_model, tmp_path / "swift", num_key_value_layers=3)
+    out = tmp_path / "results"
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model},trust_remote_code=True,max_length=256",
+        "--include_path",
+        str(tasks_dir),
+        "--tasks",
+        "sharegpt_mc,sharegpt_ppl",
+        "--limit",
+        "3",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    assert 0.0 <= results["sharegpt_mc"]["acc,none"] <= 1.0
+    assert results["sharegpt_ppl"]["word_perplexity,none"] > 1.0
+
+
+RUN = {
+    "meta": {
+        "model": "m",
+        "machine": "x86_64 CPU",
+        "threads": 2,
+        "dtype": "float32",
+        "date": "2026-11-29",
+        "prefill_lengths": [128, 256],
+        "seconds": 1,
+        "quick": True,
+    },
+    "commands": ["python scripts/demo.py --quick"],
+    "variants": [
+        {
+            "name": "original",
+            "num_layers": 30,
+            "swiftkv_layers": 0,
+            "group_size": 1,
+            "kv_bytes_per_token": 23040,
+            "ideal_prefill_speedup": {"128": 1.0, "256": 1.0},
+            "quality": {
+                "kl": 0.0,
+                "top1_agreement": 1.0,
+                "ppl_student": 5.5,
+                "ppl_teacher": 5.5,
+                "greedy_prefix_agreement": 1.0,
+            },
+            "quality_before": None,
+            "speed": {
+                "prefill_s": {"128": 0.2, "256": 0.4},
+                "prefill_speedup": {"128": 1.0, "256": 1.0},
+                "decode_s": 0.05,
+                "decode_ratio": 1.0,
+            },
+            "lm_eval": {"sharegpt_mc": {"acc": 0.5}, "sharegpt_ppl": {"word_perplexity": 40.25}},
+        },
+        {
+            "name": "swiftkv50",
+            "num_layers": 30,
+            "swiftkv_layers": 15,
+            "group_size": 1,
+            "kv_bytes_per_token": 23040,
+            "ideal_prefill_speedup": {"128": 1.8, "256": 1.85},
+            "quality": {
+                "kl": 0.123,
+                "top1_agreement": 0.876,
+                "ppl_student": 6.25,
+                "ppl_teacher": 5.5,
+                "greedy_prefix_agreement": 0.5,
+            },
+            "quality_before": {"kl": 0.987, "top1_agreement": 0.543},
+            "speed": {
+                "prefill_s": {"128": 0.12, "256": 0.23},
+                "prefill_speedup": {"128": 1.67, "256": 1.74},
+                "decode_s": 0.05,
+                "decode_ratio": 0.99,
+            },
+            "lm_eval": {"sharegpt_mc": {"acc": 0.25}, "sharegpt_ppl": {"word_perplexity": 45.5}},
+        },
+    ],
+}
+
+
+def test_report_from_a_fixture_run(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps(RUN))
+    report = write_report(tmp_path).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| swiftkv50 "))
+    for text in (
+        "15/30",
+        "0.987 → 0.123",
+        "0.876",
+        "6.25 (5.50)",
+        "1.74x (1.85x)",
+        "0.990",
+        "23040",
+        "0.25",
+        "45.50",
+    ):
+        assert text in row, text
+    for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+        assert f"]({png})" in report
+    assert "    python scripts/demo.py --quick" in report
+
+
+def test_report_without_a_run_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run.json not found"):
+        write_report(tmp_path)
+
+
+def test_stages_skip_when_unchanged_and_rerun_downstream_when_inputs_change(tmp_path):
+    calls = []
+
+    def pipeline(n: int):
+        key, a = run_stage(
+            tmp_path, "a", {"n": n}, lambda: calls.append("a") or n * 2, output=tmp_path / "a-out"
+        )
+        (tmp_path / "a-out" / "partial").write_text("x")
+        _, b = run_stage(tmp_path, "b", {"upstream": key}, lambda: calls.append("b") or a + 1)
+        return b
+
+    assert pipeline(1) == 3 and calls == ["a", "b"]
+    assert pipeline(1) == 3 and calls == ["a", "b"]  # both skipped
+    assert (tmp_path / "a-out" / "partial").exists()
+    assert pipeline(5) == 11 and calls == ["a", "b", "a", "b"]  # a's input changed: a and b rerun
+    assert json.loads((tmp_path / "stages" / "b.json").read_text())["result"] == 11
