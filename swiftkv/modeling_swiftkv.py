@@ -299,6 +299,13 @@ class SwiftKVModelMixin:
 class SwiftKVForCausalLMMixin:
     """The base family's causal LM on the SwiftKV model, plus the small interface distillation uses."""
 
+    model_class: type[nn.Module]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.model_class(config)
+        self.post_init()
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -352,12 +359,8 @@ class LlamaSwiftKVModel(SwiftKVModelMixin, LlamaModel):
 
 class LlamaSwiftKVForCausalLM(SwiftKVForCausalLMMixin, LlamaForCausalLM):
     config_class = LlamaSwiftKVConfig
+    model_class = LlamaSwiftKVModel
     _no_split_modules = ["LlamaSwiftKVDecoderLayer"]
-
-    def __init__(self, config: LlamaSwiftKVConfig):
-        super().__init__(config)
-        self.model = LlamaSwiftKVModel(config)
-        self.post_init()
 
 
 class Qwen2SwiftKVAttention(SwiftKVAttentionMixin, Qwen2Attention):
@@ -376,9 +379,5 @@ class Qwen2SwiftKVModel(SwiftKVModelMixin, Qwen2Model):
 
 class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen2ForCausalLM):
     config_class = Qwen2SwiftKVConfig
+    model_class = Qwen2SwiftKVModel
     _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
-
-    def __init__(self, config: Qwen2SwiftKVConfig):
-        super().__init__(config)
-        self.model = Qwen2SwiftKVModel(config)
-        self.post_init()
