@@ -50,7 +50,11 @@ def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
             out = args.work / f"{name.replace(' ', '-')}-s{seed}"
             if not (out / "ranker.json").is_file():
                 config = TrainConfig(
-                    seed=seed, max_prompt_tokens=args.max_prompt_tokens, list_size=args.list_size, **options
+                    seed=seed,
+                    max_prompt_tokens=args.max_prompt_tokens,
+                    list_size=args.list_size,
+                    held_out=args.held_out,
+                    **options,
                 )
                 train_ranker(args.traces, out, config, force=True)
             taus[name].append(evaluate_ranker(out, args.traces)["kendall_tau"])
@@ -126,6 +130,7 @@ def main() -> None:
     parser.add_argument("--head-epochs", type=int, default=30)
     parser.add_argument("--list-size", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--held-out", type=float, default=0.2, help="held-out fraction of each split")
     parser.add_argument("--cost-model", help="JSON from `python -m eval.ranking calibrate`")
     parser.add_argument("--loads", type=_csv(float), default=[0.5, 0.9, 1.5], help="offered load / capacity")
     parser.add_argument("--requests", type=int, default=400)
