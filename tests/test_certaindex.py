@@ -37,6 +37,7 @@ def test_extract_probe_answer(probe_text, answer):
         ("Step 1: 12 + 7 = 19\nThe answer is 19.", "19"),
         ("12 + 7 = 19 apples", "19"),
         ("no numbers here", ""),
+        ("4 x 6 = 24, so 26 pens in total.\n\nThe answer is \\boxed{}.", "26"),  # empty box: fall back
     ],
 )
 def test_extract_final_answer(text, answer):

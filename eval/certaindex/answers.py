@@ -54,9 +54,9 @@ def extract_final_answer(text: str, choices: int = 0) -> str:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
-    said = _ANSWER_IS_RE.findall(text)
+    said = [a.strip() for a in _ANSWER_IS_RE.findall(text) if "\\boxed" not in a]
     if said:
-        return said[-1].strip()
+        return said[-1]
     numbers = _NUMBER_RE.findall(text)
     return numbers[-1] if numbers else ""
 

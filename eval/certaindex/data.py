@@ -40,9 +40,9 @@ class Problem(BaseModel):
     def prompt_text(self) -> str:
         """Question plus the instruction to reason and box the answer."""
         if not self.choices:
-            return f"{self.question}\nThink step by step, then write the final answer as \\boxed{{number}}."
+            return f"{self.question}\nThink step by step, then give the final answer in \\boxed{{}}."
         options = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(self.choices))
-        return f"{self.question}\n{options}\nThink step by step, then write the letter of the answer as \\boxed{{letter}}."
+        return f"{self.question}\n{options}\nThink step by step, then give the letter of the answer in \\boxed{{}}."
 
 
 def load_problems(path: str | Path, limit: int | None = None) -> list[Problem]:

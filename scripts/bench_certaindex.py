@@ -1,0 +1,181 @@
+"""Certaindex token savings against full-budget baselines measured in the same run.
+
+Problems are arithmetic word problems generated with a seed (``eval.certaindex.data.arithmetic``): small
+enough that SmolLM2-135M solves some, with exact integer answers.  Per problem, interleaved:
+
+* CoT: the full-budget chain (no probes) and the early-exit chain (probe after each chunk, exit rule of the
+  preset), same chunking and seeds, so the early-exit chain is a prefix of the full one;
+* SC: full-budget self-consistency (``--sc-samples`` samples) and certaindex-adaptive SC (threshold
+  ``--sc-threshold``), same rounds and seeds, so the adaptive samples are a prefix of the full ones.  The
+  adaptive arm is run for real on the first ``--sc-real`` problems and checked against ``sc.replay`` of the
+  full run; the rest are replayed (exact by construction, see tests/test_certaindex_backends.py).
+
+Reports accuracy, tokens per problem (CoT early exit: main + probe tokens), the token ratio against the
+baseline, per-problem medians and how many answers flipped right->wrong / wrong->right.  Tokens are counts,
+not timings; wall seconds are shown for information only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+EPILOG = """examples:
+  flock /tmp/bench.lock python scripts/bench_certaindex.py \\
+      --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --problems 16 --out bench_certaindex.json
+  python scripts/bench_certaindex.py --model MODEL_DIR --skip-sc --preset high --cot-max-tokens 512
+"""
+
+
+def _arm(name: str, records: list[dict], baseline: list[dict] | None = None) -> dict:
+    tokens = [r["tokens"] for r in records]
+    row = {
+        "arm": name,
+        "accuracy": sum(r["correct"] for r in records) / len(records),
+        "mean_tokens": statistics.fmean(tokens),
+        "median_tokens": statistics.median(tokens),
+        "median_seconds": statistics.median(r["seconds"] for r in records),
+    }
+    if baseline is not None:
+        row["token_ratio"] = sum(tokens) / max(1, sum(r["tokens"] for r in baseline))
+        row["lost"] = sum(b["correct"] and not r["correct"] for r, b in zip(records, baseline, strict=True))
+        row["gained"] = sum(r["correct"] and not b["correct"] for r, b in zip(records, baseline, strict=True))
+    return row
+
+
+def bench_cot(backend, problems, args) -> tuple[list[dict], dict]:
+    from eval.certaindex.answers import answers_equal
+    from eval.certaindex.backends import Sampling
+    from eval.certaindex.certainty import preset
+    from eval.certaindex.cot import run_cot
+
+    window, chunk = preset(args.preset)
+    full, early = [], []
+    for i, p in enumerate(problems):
+        prompt = backend.chat_format(p.prompt_text())
+        for sink, exit_early in ((full, False), (early, True)):
+            t = time.perf_counter()
+            r = run_cot(backend, prompt, max_tokens=args.cot_max_tokens, window=window, chunk=chunk,
+                        early_exit=exit_early, sampling=Sampling(args.temperature, args.top_p, args.seed + i))  # fmt: skip
+            sink.append({"id": p.id, "answer": r.answer, "correct": answers_equal(r.answer, p.answer),
+                         "tokens": r.main_tokens + r.probe_tokens, "main_tokens": r.main_tokens,
+                         "probe_tokens": r.probe_tokens, "probe_input_tokens": r.probe_input_tokens,
+                         "exited_early": r.exited_early, "seconds": time.perf_counter() - t})  # fmt: skip
+        print(f"cot {p.id}: ref {p.answer} | full {full[-1]['answer']!r} {full[-1]['tokens']} tok | "
+              f"early {early[-1]['answer']!r} {early[-1]['main_tokens']}+{early[-1]['probe_tokens']} tok", flush=True)  # fmt: skip
+    rows = [
+        _arm(f"CoT full budget ({args.cot_max_tokens})", full),
+        _arm(f"CoT early exit ({args.preset})", early, full),
+    ]
+    rows[1]["early_exit_rate"] = sum(r["exited_early"] for r in early) / len(early)
+    rows[1]["probe_token_share"] = sum(r["probe_tokens"] for r in early) / max(
+        1, sum(r["tokens"] for r in early)
+    )
+    return rows, {"cot_full": full, "cot_early": early}
+
+
+def bench_sc(backend, problems, args) -> tuple[list[dict], dict]:
+    from eval.certaindex.answers import answers_equal
+    from eval.certaindex.backends import Sampling
+    from eval.certaindex.sc import replay, run_sc
+
+    def record(p, r, seconds: float) -> dict:
+        return {"id": p.id, "answer": r.answer, "correct": answers_equal(r.answer, p.answer), "tokens": r.tokens,
+                "samples": len(r.answers), "answers": r.answers, "seconds": seconds}  # fmt: skip
+
+    full, adaptive = [], []
+    for i, p in enumerate(problems):
+        prompt = backend.chat_format(p.prompt_text())
+        kwargs = dict(max_samples=args.sc_samples, step=args.sc_step, max_tokens=args.sc_max_tokens,
+                      sampling=Sampling(args.temperature, args.top_p, args.seed + 1000 * i))  # fmt: skip
+        t = time.perf_counter()
+        whole = run_sc(backend, prompt, threshold=None, **kwargs)
+        full.append(record(p, whole, time.perf_counter() - t))
+        replayed = replay(whole, args.sc_step, args.sc_threshold)
+        seconds = float("nan")
+        if i < args.sc_real:
+            t = time.perf_counter()
+            real = run_sc(backend, prompt, threshold=args.sc_threshold, **kwargs)
+            seconds = time.perf_counter() - t
+            if real.to_dict() != replayed.to_dict():
+                raise AssertionError(f"{p.id}: adaptive SC differs from the replay of the full run")
+        adaptive.append({**record(p, replayed, seconds), "real_run": i < args.sc_real})
+        print(
+            f"sc {p.id}: ref {p.answer} | full {whole.answer!r} {whole.tokens} tok | "
+            f"adaptive {replayed.answer!r} {replayed.tokens} tok ({len(replayed.answers)} samples)",
+            flush=True,
+        )
+    rows = [_arm(f"SC full budget ({args.sc_samples} samples)", full),
+            _arm(f"SC certaindex >= {args.sc_threshold}", adaptive, full)]  # fmt: skip
+    rows[1]["median_seconds"] = (
+        statistics.median(r["seconds"] for r in adaptive[: args.sc_real]) if args.sc_real else None
+    )
+    rows[1]["mean_samples"] = statistics.fmean(r["samples"] for r in adaptive)
+    return rows, {"sc_full": full, "sc_adaptive": adaptive}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"\n{'arm':<32} {'acc':>6} {'mean tok':>9} {'median tok':>10} {'ratio':>6} {'lost':>4} {'gain':>4} {'med s':>7}"
+    )
+    for r in rows:
+        ratio = f"{r['token_ratio']:.2f}" if "token_ratio" in r else "1.00"
+        secs = f"{r['median_seconds']:.1f}" if r.get("median_seconds") is not None else "-"
+        print(f"{r['arm']:<32} {r['accuracy']:6.3f} {r['mean_tokens']:9.1f} {r['median_tokens']:10.1f} {ratio:>6} "
+              f"{r.get('lost', '-'):>4} {r.get('gained', '-'):>4} {secs:>7}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument(
+        "--model", default=os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct")
+    )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--problems", type=int, default=16)
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the generated problems")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--preset", default="crazy", help="CoT exit preset (W, chunk)")
+    parser.add_argument("--cot-max-tokens", type=int, default=256)
+    parser.add_argument("--sc-samples", type=int, default=8)
+    parser.add_argument("--sc-step", type=int, default=2)
+    parser.add_argument("--sc-threshold", type=float, default=0.8)
+    parser.add_argument("--sc-max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--sc-real", type=int, default=2, help="problems whose adaptive SC also runs for real"
+    )
+    parser.add_argument("--skip-cot", action="store_true")
+    parser.add_argument("--skip-sc", action="store_true")
+    parser.add_argument("--out", type=Path, help="write rows, per-problem records and options as JSON")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from eval.certaindex.data import arithmetic
+    from eval.certaindex.hf_backend import HFBackend
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    backend = HFBackend.from_pretrained(args.model, args.dtype)
+    problems = arithmetic(args.problems, args.data_seed)
+    rows, records = [], {}
+    for skip, bench in ((args.skip_cot, bench_cot), (args.skip_sc, bench_sc)):
+        if not skip:
+            more_rows, more_records = bench(backend, problems, args)
+            rows += more_rows
+            records.update(more_records)
+    print_table(rows)
+    if args.out:
+        from swiftkv.artifacts import write_json_atomic
+
+        write_json_atomic(
+            args.out, {"rows": rows, "records": records, "options": {**vars(args), "out": str(args.out)}}
+        )
+
+
+if __name__ == "__main__":
+    main()
