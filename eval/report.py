@@ -102,7 +102,7 @@ def write_report(run_dir: str | Path) -> Path:
     lines = [
         f"# SwiftKV report: {meta['model']}",
         "",
-        f"Measured on {meta['machine']} ({meta['threads']} threads, {meta['dtype']}), {meta['date']}."
+        f"Measured on {meta['machine']} ({meta['dtype']}), {meta['date']}."
         " Speed: medians of interleaved repeats, ratios against the original measured in the same run."
         " Quality: held-out ShareGPT conversations against each checkpoint's own teacher (the original weights).",
         "",

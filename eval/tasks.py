@@ -31,9 +31,9 @@ doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 should_decontaminate: false
 metric_list:
-  - {{metric: word_perplexity}}
-  - {{metric: byte_perplexity}}
-  - {{metric: bits_per_byte}}
+  - {{metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}}
+  - {{metric: byte_perplexity, aggregation: weighted_perplexity, higher_is_better: false}}
+  - {{metric: bits_per_byte, aggregation: bits_per_byte, higher_is_better: false}}
 metadata: {{version: 1.0}}
 """
 _MC = """task: sharegpt_mc
