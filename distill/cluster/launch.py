@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 BASE_PORT = 29500
+PROFILE_STEPS = 20
+"""Optimizer steps of a profile run (enough to read a steady samples/s from the training log)."""
 
 
 def deepspeed_config(stage: int) -> dict[str, Any]:
@@ -35,11 +37,16 @@ def deepspeed_config(stage: int) -> dict[str, Any]:
         "gradient_clipping": "auto",
         "bf16": {"enabled": "auto"},
         "zero_optimization": zero,
+        "steps_per_print": 1000000,
+        "wall_clock_breakdown": False,
     }
 
 
 def accelerate_config(entry: dict[str, Any], ds_path: Path, port: int) -> Any:
-    """accelerate ``ClusterConfig`` for one plan entry (DeepSpeed, one process per GPU)."""
+    """accelerate ``ClusterConfig`` for one plan entry (DeepSpeed, one process per GPU).
+
+    Mixed precision is left to the recipe (``train.mixed_precision``), as in recipes/accelerate/*.yaml.
+    """
     from accelerate.commands.config.config_args import ClusterConfig
 
     multi = entry["nodes"] > 1
@@ -50,7 +57,7 @@ def accelerate_config(entry: dict[str, Any], ds_path: Path, port: int) -> Any:
     return ClusterConfig(
         compute_environment="LOCAL_MACHINE",
         distributed_type="DEEPSPEED",
-        mixed_precision="bf16",
+        mixed_precision=None,
         use_cpu=False,
         debug=False,
         num_processes=entry["gpus"],
@@ -68,10 +75,12 @@ def accelerate_config(entry: dict[str, Any], ds_path: Path, port: int) -> Any:
 def _launch_script(entry: dict[str, Any], job_dir: Path) -> str:
     hosts = "\n".join(f"#   MACHINE_RANK={k} on {h}" for k, h in enumerate(entry["hosts"]))
     recipe = shlex.quote(entry["recipe"]) if entry["recipe"] else "RECIPE.yaml"
+    if entry["profile"]:  # a short run with its own output folder, so it never touches the job's checkpoints
+        recipe += f" train.max_steps={PROFILE_STEPS} " + shlex.quote(f"output_dir={job_dir / 'profile_run'}")
     return (
         "#!/usr/bin/env bash\n"
         f"# {entry['name']}: {entry['gpus']} x {entry['gpu_type']} on {entry['nodes']} node(s), "
-        f"ZeRO-{entry['zero_stage']}{' (profile run: stop after a few steps)' if entry['profile'] else ''}\n"
+        f"ZeRO-{entry['zero_stage']}{' (profile run: record samples/s in jobs.yaml)' if entry['profile'] else ''}\n"
         f"{hosts}\nset -euo pipefail\n"
         f"accelerate launch --config_file {shlex.quote(str(job_dir / 'accelerate.yaml'))} "
         f'--machine_rank "${{MACHINE_RANK:-0}}" -m distill {recipe} "$@"\n'
