@@ -1,0 +1,86 @@
+"""Parameter blocks: the unit that the running checkpoint selects, writes and restores.
+
+A block is a whole named tensor (``block=tensor``) or a slice of ``rows_per_block`` rows along dim 0
+(``block=row-block``; a 1-D tensor such as a ZeRO flat partition is sliced by elements).  A block's payload
+is its parameter values plus the matching slice of the optimizer state for that parameter: state tensors of
+the parameter's shape are sliced like it, scalar state (Adam's ``step``) is stored whole with every block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .config import ScarConfig
+
+PARAM = "param"
+STATE = "state."
+
+
+@dataclass(frozen=True)
+class Block:
+    id: str
+    name: str
+    start: int
+    stop: int  # rows [start, stop) of dim 0; a 0-dim tensor is one block with (0, 1)
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dim() == 0 else tensor[self.start : self.stop]
+
+
+def make_blocks(params: Mapping[str, torch.Tensor], config: ScarConfig) -> list[Block]:
+    """Split named tensors into blocks, in the order given."""
+    blocks = []
+    for name, tensor in params.items():
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if config.block == "tensor" or rows <= config.rows_per_block:
+            blocks.append(Block(name, name, 0, rows))
+            continue
+        for start in range(0, rows, config.rows_per_block):
+            stop = min(rows, start + config.rows_per_block)
+            blocks.append(Block(f"{name}[{start}:{stop}]", name, start, stop))
+    return blocks
+
+
+def block_payload(
+    block: Block, param: torch.Tensor, state: Mapping[str, object] | None
+) -> dict[str, torch.Tensor]:
+    """CPU copies of the block's parameter rows and optimizer state, ready for serialization."""
+    out = {PARAM: block.rows(param.detach()).to("cpu", copy=True).contiguous()}
+    for key, value in (state or {}).items():
+        if not isinstance(value, torch.Tensor):
+            continue  # e.g. a momentum buffer that is still None
+        part = block.rows(value) if value.shape == param.shape else value
+        out[STATE + key] = part.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+@torch.no_grad()
+def restore_payload(
+    block: Block,
+    payload: Mapping[str, torch.Tensor],
+    param: torch.Tensor,
+    state: dict | None,
+    whole_param: bool,
+) -> None:
+    """Write a block's saved values back into the live parameter and optimizer state (in place).
+
+    Scalar state is shared by all blocks of a parameter, so it is only restored when the whole parameter
+    is being restored (``whole_param``); survivors keep theirs.  Missing state (a fresh optimizer after a
+    full loss) is created with the parameter's shape."""
+    block.rows(param).copy_(payload[PARAM])
+    if state is None:
+        return
+    for key, value in payload.items():
+        if not key.startswith(STATE):
+            continue
+        key = key[len(STATE) :]
+        current = state.get(key)
+        if value.dim() and value.shape[1:] == param.shape[1:] and (current is None or current.dim()):
+            if current is None:
+                current = state[key] = torch.zeros(param.shape, dtype=value.dtype, device=param.device)
+            block.rows(current).copy_(value)
+        elif whole_param or current is None:
+            state[key] = value.to(current.device if current is not None else "cpu").clone()

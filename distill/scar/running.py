@@ -1,0 +1,223 @@
+"""The prioritized running checkpoint (SCAR) of one rank, and partial recovery from it.
+
+Every ``every_steps`` steps ``maybe_save`` writes ``fraction`` of this rank's blocks, chosen by the change
+of their values since their own last save (``||x - x_saved||``, SCAR's max-change), round-robin, or at
+random; blocks that have no valid saved copy (first save, a corrupt file) are always written.  So the
+checkpoint always holds every block, each at the step it was last written.  ``recover(lost)`` reads only the
+lost blocks (checksums verified) back into the live parameters and optimizer state and leaves every other
+value untouched; ``recover()`` restores all blocks (a full loss).
+
+Each rank owns one folder ``<directory>/rank_<r>`` and the tensors it is given: under DDP a share of the
+replicated parameters (``owned_by_rank``), under ZeRO its optimizer partition (``zero_partitions``).  The
+last saved values are kept in host memory to rank blocks by change, as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from .blocks import PARAM, Block, block_payload, make_blocks, restore_payload
+from .config import ScarConfig
+from .store import (
+    CorruptBlockError,
+    read_block,
+    read_manifest,
+    remove_unreferenced,
+    write_block,
+    write_manifest,
+)
+
+
+class RunningCheckpoint:
+    """Running checkpoint of the named tensors ``params`` (and their ``optimizer`` state) of one rank."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        params: Mapping[str, torch.Tensor],
+        config: ScarConfig,
+        optimizer: torch.optim.Optimizer | None = None,
+        rank: int = 0,
+    ):
+        self.config = config
+        self.folder = Path(directory) / f"rank_{rank:05d}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.params = dict(params)
+        self.optimizer = optimizer
+        self.blocks: list[Block] = make_blocks(self.params, config)
+        self._index = {b.id: i for i, b in enumerate(self.blocks)}
+        self.saved: dict[str, torch.Tensor] = {}  # block id -> values at its last save (host memory)
+        self.entries: dict[str, dict] = {}  # block id -> manifest entry of its latest valid file
+        self.cursor = 0  # round-robin position
+        self.version = 0  # number of completed saves
+        self.bytes_written = 0
+        self._open()
+
+    def _open(self) -> None:
+        """Load an existing manifest (resume after a restart) and the last saved values it names."""
+        manifest = read_manifest(self.folder)
+        remove_unreferenced(self.folder, manifest)
+        if manifest is None:
+            return
+        unknown = sorted(set(manifest["blocks"]) - set(self._index))
+        if unknown:
+            raise ValueError(
+                f"running checkpoint {self.folder} holds blocks this run does not have ({unknown[0]}, ...); "
+                "to resolve, use the same parameters and block settings, or a new folder"
+            )
+        self.cursor, self.version = manifest["cursor"], manifest["version"]
+        for bid, entry in manifest["blocks"].items():
+            try:
+                payload = read_block(self.folder, entry)
+            except CorruptBlockError:
+                continue  # no valid copy: written first at the next save
+            self._check_shape(self.blocks[self._index[bid]], payload)
+            self.saved[bid], self.entries[bid] = payload[PARAM], entry
+
+    def _check_shape(self, block: Block, payload: Mapping[str, torch.Tensor]) -> None:
+        expected = tuple(block.rows(self.params[block.name]).shape)
+        if tuple(payload[PARAM].shape) != expected:
+            raise ValueError(
+                f"running checkpoint block {block.id} has shape {tuple(payload[PARAM].shape)}, the run has "
+                f"{expected}; to resolve, use the same parameters and block settings, or a new folder"
+            )
+
+    def _state(self, name: str) -> dict | None:
+        return None if self.optimizer is None else self.optimizer.state[self.params[name]]
+
+    def change_norms(self) -> dict[str, float]:
+        """``||x - x_saved||`` per block; infinite for blocks without a saved copy."""
+        norms = {}
+        for b in self.blocks:
+            saved = self.saved.get(b.id)
+            if saved is None:
+                norms[b.id] = math.inf
+                continue
+            live = b.rows(self.params[b.name].detach()).to("cpu", torch.float32)
+            norms[b.id] = torch.linalg.vector_norm(live - saved.float()).item()
+        return norms
+
+    def select(self, step: int) -> list[str]:
+        """The blocks the running save at ``step`` writes: unsaved ones, then the policy's choice."""
+        unsaved = [b.id for b in self.blocks if b.id not in self.entries]
+        budget = self.config.blocks_per_save(len(self.blocks)) - len(unsaved)
+        candidates = [b.id for b in self.blocks if b.id in self.entries]
+        if budget <= 0 or not candidates:
+            return unsaved
+        if self.config.select == "max-change":
+            norms = self.change_norms()
+            chosen = sorted(candidates, key=lambda bid: -norms[bid])[:budget]
+        elif self.config.select == "round-robin":
+            start = self.cursor % len(candidates)
+            chosen = (candidates[start:] + candidates[:start])[:budget]
+            self.cursor = (start + len(chosen)) % len(candidates)
+        else:
+            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+            chosen = [candidates[i] for i in torch.randperm(len(candidates), generator=gen)[:budget].tolist()]
+        return unsaved + sorted(chosen, key=self._index.__getitem__)
+
+    def maybe_save(self, step: int) -> list[str]:
+        """Write the running save due at ``step`` (and any block without a valid copy); return the block ids."""
+        if step % self.config.every_steps and len(self.entries) == len(self.blocks):
+            return []
+        if step % self.config.every_steps:
+            return self.save(step, [b.id for b in self.blocks if b.id not in self.entries])
+        return self.save(step, self.select(step))
+
+    @torch.no_grad()
+    def save(self, step: int, block_ids: Iterable[str] | None = None) -> list[str]:
+        """Write the given blocks (default: all) durably, then the manifest; return the block ids written."""
+        ids = [b.id for b in self.blocks] if block_ids is None else list(block_ids)
+        written, values = {}, {}
+        for bid in ids:
+            block = self.blocks[self._index[bid]]
+            payload = block_payload(block, self.params[block.name], self._state(block.name))
+            entry = write_block(
+                self.folder, f"{self._index[bid]:06d}.v{self.version + 1}.safetensors", payload
+            )
+            written[bid], values[bid] = {**entry, "step": step}, payload[PARAM]
+        superseded = [self.entries[bid]["file"] for bid in ids if bid in self.entries]
+        self.entries.update(written)
+        self.version += 1
+        write_manifest(
+            self.folder,
+            {"step": step, "version": self.version, "cursor": self.cursor, "blocks": self.entries},
+        )
+        for name in superseded:
+            (self.folder / name).unlink(missing_ok=True)
+        self.saved.update(values)
+        self.bytes_written += sum(e["bytes"] for e in written.values())
+        return ids
+
+    def resolve(self, names: Iterable[str]) -> list[Block]:
+        """Blocks named by block ids or parameter names (a parameter name means all its blocks)."""
+        by_name: dict[str, list[Block]] = {}
+        for b in self.blocks:
+            by_name.setdefault(b.name, []).append(b)
+        out: dict[str, Block] = {}
+        for name in names:
+            if name in self._index:
+                out[name] = self.blocks[self._index[name]]
+            elif name in by_name:
+                out.update((b.id, b) for b in by_name[name])
+            else:
+                raise ValueError(
+                    f"unknown block or parameter {name!r}; to resolve, pass ids from RunningCheckpoint.blocks"
+                )
+        return sorted(out.values(), key=lambda b: self._index[b.id])
+
+    @torch.no_grad()
+    def recover(self, lost: Iterable[str] | None = None) -> list[str]:
+        """Restore the lost blocks (default: all) from their latest saved copy, parameters and optimizer
+        state, in place; every other value stays as it is.  Return the restored block ids."""
+        blocks = self.blocks if lost is None else self.resolve(lost)
+        missing = [b.id for b in blocks if b.id not in self.entries]
+        if missing:
+            raise CorruptBlockError(
+                f"{len(missing)} lost block(s) have no valid saved copy ({missing[0]}, ...); "
+                "to resolve, restore them from the last full checkpoint"
+            )
+        counts: dict[str, int] = {}
+        for b in blocks:
+            counts[b.name] = counts.get(b.name, 0) + 1
+        total = {name: sum(b.name == name for b in self.blocks) for name in counts}
+        for b in blocks:
+            payload = read_block(self.folder, self.entries[b.id])
+            self._check_shape(b, payload)
+            whole = counts[b.name] == total[b.name]
+            restore_payload(b, payload, self.params[b.name], self._state(b.name), whole)
+            self.saved[b.id] = payload[PARAM]
+        return [b.id for b in blocks]
+
+    def detect_corrupt(self) -> set[str]:
+        """Blocks whose saved copy is missing, truncated or fails its checksum (re-reads every file)."""
+        bad = set()
+        for b in self.blocks:
+            try:
+                read_block(self.folder, self.entries[b.id])
+            except (KeyError, CorruptBlockError):
+                bad.add(b.id)
+        return bad
+
+    def detect_nonfinite(self) -> set[str]:
+        """Live blocks holding NaN or infinite values (a fault signal for ``recover``)."""
+        return {b.id for b in self.blocks if not torch.isfinite(b.rows(self.params[b.name].detach())).all()}
+
+
+def owned_by_rank(
+    named: Iterable[tuple[str, torch.Tensor]], rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """Under DDP every rank holds every parameter: give each rank a balanced share (largest first, to the
+    least loaded rank) so that each block is written by exactly one rank."""
+    load = [0] * world_size
+    mine = {}
+    for name, tensor in sorted(named, key=lambda item: (-item[1].numel(), item[0])):
+        owner = min(range(world_size), key=load.__getitem__)
+        load[owner] += tensor.numel()
+        if owner == rank:
+            mine[name] = tensor
+    return mine

@@ -1,0 +1,217 @@
+"""SCAR running checkpoint: crash safety, exact partial recovery, max-change selection, coverage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from distill.scar.blocks import make_blocks
+from distill.scar.config import ScarConfig
+from distill.scar.faults import KILL_ENV, damage_blocks, pick_blocks, truncate_file
+from distill.scar.running import RunningCheckpoint, owned_by_rank
+from distill.scar.store import CorruptBlockError
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 6))
+
+
+def train_steps(model, opt, n: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(8, 12, generator=gen)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model, opt) -> tuple[dict, dict]:
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = {
+        k: {s: t.clone() for s, t in opt.state[p].items()}
+        for k, p in model.named_parameters()
+        if opt.state[p]
+    }
+    return params, state
+
+
+CRASH_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_scar import tiny_model, train_steps
+from distill.scar.config import ScarConfig
+from distill.scar.running import RunningCheckpoint
+model = tiny_model()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+train_steps(model, opt, 2)
+ckpt = RunningCheckpoint({root!r}, dict(model.named_parameters()), ScarConfig(fraction=1, every_steps=1), opt)
+ckpt.save(0)
+torch.save({{k: v.detach().clone() for k, v in model.named_parameters()}}, {root!r} + "/v0.pt")
+train_steps(model, opt, 3, seed=2)
+torch.save({{k: v.detach().clone() for k, v in model.named_parameters()}}, {root!r} + "/v1.pt")
+import os; os.environ[{env!r}] = {kill!r}
+ckpt.save(1)
+"""
+
+
+@pytest.mark.parametrize("kill,expect", [("block_written:2", "v0.pt"), ("manifest_written:1", "v1.pt")])
+def test_writer_killed_mid_save_leaves_a_loadable_state(tmp_path, kill, expect):
+    script = CRASH_SCRIPT.format(tests=os.path.dirname(__file__), root=str(tmp_path), env=KILL_ENV, kill=kill)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
+    assert proc.returncode == 17, proc.stderr
+    model = tiny_model(seed=5)
+    ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), ScarConfig(fraction=1, every_steps=1))
+    assert ckpt.detect_corrupt() == set()
+    ckpt.recover()
+    expected = torch.load(tmp_path / expect)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    files = {p.name for p in (tmp_path / "rank_00000").iterdir()}
+    assert files == {"manifest.json"} | {e["file"] for e in ckpt.entries.values()}  # orphans removed
+
+
+@pytest.mark.parametrize("block", ["tensor", "row-block"])
+def test_partial_recovery_restores_exactly_the_lost_blocks(tmp_path, block):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = ScarConfig(fraction=0.5, every_steps=2, block=block, rows_per_block=8)
+    ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt)
+    at_save: dict[str, tuple[dict, dict]] = {}
+    for step in range(9):
+        train_steps(model, opt, 1, seed=step)
+        for bid in ckpt.maybe_save(step):
+            at_save[bid] = snapshot(model, opt)
+    train_steps(model, opt, 1, seed=99)  # live state moves past the last save
+    lost = pick_blocks(ckpt.blocks, 0.4, torch.Generator().manual_seed(3))
+    before_params, before_state = snapshot(model, opt)
+    damage_blocks(dict(model.named_parameters()), lost, mode="perturb")
+    assert ckpt.recover({b.id for b in lost}) == [b.id for b in lost]
+    params, state = snapshot(model, opt)
+    lost_ids = {b.id for b in lost}
+    for b in ckpt.blocks:
+        ref_params, ref_state = at_save[b.id] if b.id in lost_ids else (before_params, before_state)
+        assert torch.equal(b.rows(params[b.name]), b.rows(ref_params[b.name])), b.id
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(b.rows(state[b.name][key]), b.rows(ref_state[b.name][key])), (b.id, key)
+
+
+def test_max_change_writes_the_blocks_that_moved_most_and_all_blocks_stay_held(tmp_path):
+    params = {f"w{i}": torch.zeros(4, 3) for i in range(8)}
+    ckpt = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))
+    assert ckpt.maybe_save(0) == list(params)  # first save holds every block
+    moves = [0.3, 2.0, 0.1, 0.0, 5.0, 1.0, 0.2, 0.4]
+    for i, m in enumerate(moves):
+        params[f"w{i}"] += m
+    assert ckpt.maybe_save(1) == ["w1", "w4"]
+    norms = ckpt.change_norms()
+    assert norms["w1"] == norms["w4"] == 0 and norms["w5"] == pytest.approx(1.0 * 12**0.5)
+    assert ckpt.maybe_save(2) == ["w5", "w7"]
+    reopened = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))
+    assert set(reopened.entries) == set(params) and reopened.detect_corrupt() == set()
+
+
+def test_round_robin_and_random_cover_every_block(tmp_path):
+    params = {f"w{i}": torch.randn(10) for i in range(6)}
+    rr = RunningCheckpoint(
+        tmp_path / "rr", params, ScarConfig(fraction=1 / 3, every_steps=1, select="round-robin")
+    )
+    rr.maybe_save(0)
+    assert [rr.maybe_save(s) for s in (1, 2, 3)] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
+    rnd = RunningCheckpoint(
+        tmp_path / "rnd", params, ScarConfig(fraction=0.5, every_steps=1, select="random")
+    )
+    rnd.maybe_save(0)
+    picks = [tuple(rnd.maybe_save(s)) for s in range(1, 6)]
+    assert all(len(p) == 3 for p in picks) and len(set(picks)) > 1
+
+
+def test_full_recovery_of_a_full_save_continues_bit_identically(tmp_path):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 3)
+    cfg = ScarConfig(fraction=1, every_steps=1, block="row-block", rows_per_block=5)
+    RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt).save(3)
+    train_steps(model, opt, 4, seed=7)
+    reference, _ = snapshot(model, opt)
+    fresh = tiny_model(seed=11)  # a new process: other weights, no optimizer state
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    RunningCheckpoint(tmp_path, dict(fresh.named_parameters()), cfg, fresh_opt).recover()
+    train_steps(fresh, fresh_opt, 4, seed=7)
+    params, _ = snapshot(fresh, fresh_opt)
+    for name in reference:
+        assert torch.equal(params[name], reference[name]), name
+
+
+def test_corrupt_file_is_detected_refused_and_healed(tmp_path):
+    params = {f"w{i}": torch.randn(6, 2) for i in range(4)}
+    cfg = ScarConfig(fraction=0.5, every_steps=10)
+    ckpt = RunningCheckpoint(tmp_path, params, cfg)
+    ckpt.maybe_save(0)
+    truncate_file(ckpt.folder / ckpt.entries["w2"]["file"], keep=0.5)
+    assert ckpt.detect_corrupt() == {"w2"}
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        ckpt.recover({"w2"})
+    ckpt.recover({"w1"})  # survivors of the checkpoint still restore
+    reopened = RunningCheckpoint(tmp_path, params, cfg)
+    with pytest.raises(CorruptBlockError, match="to resolve, restore them from the last full checkpoint"):
+        reopened.recover({"w2"})
+    assert reopened.maybe_save(3) == ["w2"]  # off schedule, but a block without a valid copy is rewritten
+    assert reopened.detect_corrupt() == set()
+
+
+def test_nan_blocks_are_detected_and_recovered(tmp_path):
+    params = {"a": torch.randn(20, 3), "b": torch.randn(7)}
+    cfg = ScarConfig(block="row-block", rows_per_block=8, every_steps=1)
+    ckpt = RunningCheckpoint(tmp_path, params, cfg)
+    ckpt.maybe_save(0)
+    kept = params["a"].clone()
+    damage_blocks(params, ckpt.resolve(["a[8:16]"]), mode="nan")
+    assert ckpt.detect_nonfinite() == {"a[8:16]"}
+    ckpt.recover(ckpt.detect_nonfinite())
+    assert torch.equal(params["a"], kept)
+
+
+def test_ranks_write_disjoint_blocks_and_recover_only_their_own(tmp_path):
+    model = tiny_model()
+    named = list(model.named_parameters())
+    shares = [owned_by_rank(named, r, 2) for r in range(2)]
+    assert set(shares[0]).isdisjoint(shares[1]) and set(shares[0]) | set(shares[1]) == {n for n, _ in named}
+    cfg = ScarConfig(fraction=1, every_steps=1)
+    ckpts = [RunningCheckpoint(tmp_path, shares[r], cfg, rank=r) for r in range(2)]
+    for c in ckpts:
+        c.maybe_save(0)
+    before = {n: p.detach().clone() for n, p in named}
+    with torch.no_grad():
+        for p in shares[1].values():
+            p.zero_()  # rank 1 died
+        for p in shares[0].values():
+            p.add_(1.0)  # rank 0 kept training
+    ckpts[1].recover()
+    for name, p in model.named_parameters():
+        expected = before[name] + (1.0 if name in shares[0] else 0.0)
+        assert torch.equal(p, expected), name
+
+
+def test_config_errors_name_the_input_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="fraction"):
+        ScarConfig(fraction=0)
+    with pytest.raises(ValueError, match="extra"):
+        ScarConfig(blocks="tensor")
+    assert ScarConfig.equal_budget(200, 0.25).every_steps == 50
+    with pytest.raises(ValueError, match="to resolve, pick a fraction"):
+        ScarConfig.equal_budget(10, 0.25)
+    with pytest.raises(ValueError, match="unknown block or parameter"):
+        RunningCheckpoint(tmp_path, {"x": torch.zeros(2)}, ScarConfig()).recover({"y"})
+    assert [
+        b.id for b in make_blocks({"x": torch.zeros(5, 2)}, ScarConfig(block="row-block", rows_per_block=2))
+    ] == [
+        "x[0:2]",
+        "x[2:4]",
+        "x[4:5]",
+    ]
