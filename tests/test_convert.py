@@ -14,7 +14,7 @@ from conftest import tiny_base
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import swiftkv  # noqa: F401  (registers the Auto classes)
+import swiftkv.convert  # registers the Auto classes too
 from swiftkv.cli import main as cli
 
 L = 6
@@ -188,3 +188,43 @@ def test_smollm2_convert_and_generate(smollm2, tmp_path):
         full = model(outs["student"][:, :-1], use_cache=False).logits.argmax(-1)
     n = ids["input_ids"].shape[1]
     assert full[0, n - 1 :].tolist() == outs["student"][0, n:].tolist()  # cached skip-ahead = full pass
+
+
+def test_mistral_style_checkpoint_maps_onto_llama(tmp_path):
+    from conftest import TINY
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    base = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).eval()
+    base.save_pretrained(tmp_path / "mistral")
+    dst = swiftkv.convert.convert(tmp_path / "mistral", tmp_path / "swift", num_key_value_layers=4)
+    model = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(model).__name__ == "LlamaSwiftKVForCausalLM"
+    model.set_mode("teacher")
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, atol=1e-5, rtol=0)
+    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    with pytest.raises(SystemExit, match="sliding window are not supported"):
+        cli(["convert", str(tmp_path / "mistral"), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"])
+
+
+def test_info_prints_layout_and_savings(tiny_llama_dir, tmp_path, capsys):
+    cli(
+        [
+            "convert",
+            str(tiny_llama_dir),
+            str(tmp_path / "s"),
+            "--num-key-value-layers",
+            "2",
+            "--group-size",
+            "2",
+        ]
+    )
+    capsys.readouterr()
+    cli(["info", str(tmp_path / "s"), "--lengths", "64,128"])
+    out = capsys.readouterr().out
+    assert "layers 0..1 normal; layers 2..5 SwiftKV (4 layers, 67%), group size 2 -> 2 KV groups" in out
+    assert "original 768, SwiftKV 512 (66.7%)" in out  # 6 vs 2 + 2 slots of 2 x 2 heads x 16 dims x 2 bytes
+    assert len([line for line in out.splitlines() if line.strip().startswith(("64 ", "128 "))]) == 2
