@@ -330,7 +330,7 @@ def train(recipe: Recipe) -> Path:
                     counted_tokens_per_s=tokens / elapsed,
                 )
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
-            if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0:
+            if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0 and step < run.max_steps:
                 record.update(evaluate(run))
             if acc.is_main_process and len(record) > 2:
                 with open(log_path, "a") as f:

@@ -24,7 +24,7 @@ RECIPE = ROOT / "recipes" / "swiftkv_smollm2_cpu.yaml"
 
 FULL = dict(
     fractions=[0.25, 0.5],
-    distill_steps=120,
+    distill_steps=None,  # the recipe's
     distill=[],
     quality=dict(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32),
     lengths=[512, 1024, 2048],
@@ -43,6 +43,7 @@ QUICK = dict(
         "checkpoint.every_steps=4",
         "log.eval_batches=2",
         "log.every_steps=1",
+        "log.eval_every_steps=null",
     ],
     quality=dict(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8),
     lengths=[128, 256],
@@ -104,11 +105,12 @@ def run(cfg: dict, run_dir: Path) -> Path:
     for fraction in cfg["fractions"]:
         name = f"swiftkv{round(fraction * 100)}"
         out = run_dir / f"distill-{name}"
+        steps = [f"train.max_steps={cfg['distill_steps']}"] if cfg["distill_steps"] else []
         overrides = [
             f"model.source={base}",
             f"model.swiftkv.fraction={fraction}",
             f"output_dir={out}",
-            f"train.max_steps={cfg['distill_steps']}",
+            *steps,
             *cfg["distill"],
         ]
         recipe = load_recipe(RECIPE, overrides)
