@@ -1,0 +1,205 @@
+"""Two-process gloo tests of the DDP communication hooks (torch.multiprocessing.spawn, tiny MLPs).
+
+Each scenario runs in both ranks and returns rank 0's observations; the assertions run in the parent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distill.comm import CommConfig, register_comm_hook
+
+WORLD = 2
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def _loss(model, x, y) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _train(ddp: DDP, steps: int, lr: float = 0.1) -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    for t in range(steps):
+        opt.zero_grad()
+        _loss(ddp, *_batch(dist.get_rank(), t)).backward()
+        opt.step()
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _equivalence() -> dict:
+    """budget 1.0 and hook=allreduce train exactly like DDP without a hook; PowerSGD counts fewer bytes."""
+    out = {}
+    for name, cfg in [
+        ("none", None),
+        ("allreduce", CommConfig()),
+        ("managed", CommConfig(hook="managed", budget=1.0)),
+        ("powersgd", CommConfig(hook="powersgd", powersgd_start_iter=2)),
+    ]:
+        ddp = DDP(_mlp())
+        state = register_comm_hook(ddp, cfg) if cfg else None
+        _train(ddp, 5)
+        out[name] = _flat(ddp.parameters())
+        if state:
+            out[f"{name}_summary"] = state.summary()
+    return out
+
+
+def _nothing_lost() -> dict:
+    """Small budget, fixed weights: everything sent + the unsent residuals = every gradient, averaged."""
+    cfg = CommConfig(hook="managed", budget=0.2, block_size=4, priority="relative-magnitude")
+    ddp = DDP(_mlp(), bucket_cap_mb=0.0001)  # several buckets
+    state = register_comm_hook(ddp, cfg)
+    params = list(ddp.parameters())
+    sent_total, grad_total = 0, 0
+    for t in range(12):
+        x, y = _batch(dist.get_rank(), t)
+        local = _flat(torch.autograd.grad(_loss(ddp.module, x, y), params))
+        mean = local.clone()
+        dist.all_reduce(mean)
+        mean /= WORLD
+        for p in params:
+            p.grad = None
+        _loss(ddp, x, y).backward()
+        sent = _flat(p.grad for p in params)
+        sent_total, grad_total = sent_total + sent, grad_total + mean
+    residual = _flat(state.residual[p] for p in params)
+    dist.all_reduce(residual)
+    return {
+        "sent_total": sent_total,
+        "grad_total": grad_total,
+        "mean_residual": residual / WORLD,
+        "summary": state.summary(),
+        **_priority_order(),
+    }
+
+
+def _priority_order() -> dict:
+    """One weight matrix (one bucket, 8 blocks of 4), budget 2 blocks: which blocks went out at step 0."""
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(8, 4, bias=False))
+    register_comm_hook(ddp, CommConfig(hook="managed", budget=0.25, block_size=4))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ddp(x).square().mean().backward()
+    grads = [torch.zeros(32) for _ in range(WORLD)]
+    local = ddp.module.weight.detach().clone()
+    local_grad = torch.autograd.grad(ddp.module(x).square().mean(), ddp.module.weight)[0]
+    dist.all_gather(grads, local_grad.reshape(-1).contiguous())
+    return {"w": local.reshape(-1), "rank_grads": grads, "prio_sent": ddp.module.weight.grad.reshape(-1)}
+
+
+SLEEP = 0.25
+
+
+def _stale(staleness: int) -> dict:
+    """Rank 1 is slow; rank 0 may run ahead by at most `staleness` steps; the replicas stay identical."""
+    ddp = DDP(_mlp())
+    register_comm_hook(ddp, CommConfig(staleness=staleness))
+    params = list(ddp.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    starts, local, applied = [], [], []
+    for t in range(7):
+        starts.append(time.time())
+        if dist.get_rank() == 1:
+            time.sleep(SLEEP)
+        x, y = _batch(dist.get_rank(), t)
+        local.append(_flat(torch.autograd.grad(_loss(ddp.module, x, y), params)))
+        opt.zero_grad()
+        _loss(ddp, x, y).backward()
+        applied.append(_flat(p.grad for p in params))
+        opt.step()
+    local = torch.stack(local)
+    dist.all_reduce(local)
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, starts)
+    final = [torch.zeros(_flat(params).numel()) for _ in range(WORLD)]
+    dist.all_gather(final, _flat(params))
+    return {"starts": everyone, "mean": local / WORLD, "applied": torch.stack(applied), "final": final}
+
+
+def _worker(rank: int, scenario: str, arg, init: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        out = {"equivalence": _equivalence, "nothing_lost": _nothing_lost, "stale": _stale}[scenario](
+            *([arg] if arg is not None else [])
+        )
+        if rank == 0:
+            torch.save(out, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, scenario: str, arg=None) -> dict:
+    results = tmp_path / f"{scenario}.pt"
+    mp.spawn(_worker, args=(scenario, arg, f"file://{tmp_path}/store_{scenario}", str(results)), nprocs=WORLD)
+    return torch.load(results)
+
+
+def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(tmp_path):
+    out = _run(tmp_path, "equivalence")
+    torch.testing.assert_close(out["allreduce"], out["none"], rtol=0, atol=0)
+    torch.testing.assert_close(out["managed"], out["none"], rtol=1e-6, atol=1e-7)
+    dense = out["allreduce_summary"]["comm_bytes"]
+    assert out["managed_summary"]["comm_bytes"] == dense
+    assert out["allreduce_summary"]["comm_byte_ratio"] == 1.0
+    assert out["powersgd_summary"]["comm_steps"] == 5
+    assert out["powersgd_summary"]["comm_bytes"] < dense  # two warm-up steps dense, then rank-1 factors
+    assert not torch.allclose(out["powersgd"], out["none"])
+
+
+def test_small_budget_loses_nothing_and_respects_priority(tmp_path):
+    out = _run(tmp_path, "nothing_lost")
+    torch.testing.assert_close(
+        out["sent_total"] + out["mean_residual"], out["grad_total"], rtol=1e-5, atol=1e-6
+    )
+    assert out["mean_residual"].abs().max() > 1e-3  # something really was held back
+    s = out["summary"]
+    assert s["comm_steps"] == 12 and 0.15 < s["comm_byte_ratio"] < 0.5  # 20% of blocks + scores
+    # one bucket, step 0: the sent blocks are the 2 of 8 with the highest rank-summed sum of |g/x|
+    w, sent = out["w"].view(8, 4), out["prio_sent"].view(8, 4)
+    scores = sum((g.view(8, 4) / w).abs().sum(1) for g in out["rank_grads"])
+    want = set(scores.topk(2).indices.tolist())
+    assert {i for i in range(8) if sent[i].abs().sum() > 0} == want
+    mean = sum(out["rank_grads"]).view(8, 4) / WORLD
+    torch.testing.assert_close(sent[sorted(want)], mean[sorted(want)])
+    assert want != set(sum(g.view(8, 4).abs().sum(1) for g in out["rank_grads"]).topk(2).indices.tolist())
+
+
+def test_staleness_bound_with_a_slow_worker(tmp_path):
+    s = 2
+    out = _run(tmp_path, "stale", s)
+    fast, slow = out["starts"]
+    steps = len(fast)
+    for t in range(s + 1, steps):  # rank 0 starts step t only after rank 1 finished step t-s-1
+        assert fast[t] >= slow[t - s - 1] + SLEEP - 0.02
+    assert any(fast[t] < slow[t - s + 1] for t in range(s, steps))  # ...and it does run ahead
+    applied, mean = out["applied"], out["mean"]
+    assert torch.count_nonzero(applied[:s]) == 0
+    torch.testing.assert_close(applied[s:], mean[: steps - s], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["final"][0], out["final"][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("s", [0])
+def test_staleness_zero_is_synchronous(tmp_path, s):
+    out = _run(tmp_path, "stale", s)
+    fast, slow = out["starts"]
+    assert all(fast[t] >= slow[t - 1] + SLEEP - 0.02 for t in range(1, len(fast)))
+    torch.testing.assert_close(out["applied"], out["mean"], rtol=1e-5, atol=1e-6)
