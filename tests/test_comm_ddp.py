@@ -134,27 +134,35 @@ def _stale(staleness: int) -> dict:
     return {"starts": everyone, "mean": local / WORLD, "applied": torch.stack(applied), "final": final}
 
 
-def _worker(rank: int, scenario: str, arg, init: str, results) -> None:
+SCENARIOS = {
+    "equivalence": _equivalence,
+    "nothing_lost": _nothing_lost,
+    "stale2": lambda: _stale(2),
+    "stale0": lambda: _stale(0),
+}
+
+
+def _worker(rank: int, init: str, results: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        out = {"equivalence": _equivalence, "nothing_lost": _nothing_lost, "stale": _stale}[scenario](
-            *([arg] if arg is not None else [])
-        )
+        out = {name: run() for name, run in SCENARIOS.items()}
         if rank == 0:
             torch.save(out, results)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, scenario: str, arg=None) -> dict:
-    results = tmp_path / f"{scenario}.pt"
-    mp.spawn(_worker, args=(scenario, arg, f"file://{tmp_path}/store_{scenario}", str(results)), nprocs=WORLD)
-    return torch.load(results)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """All scenarios in one 2-process launch (process start-up dominates the cost)."""
+    tmp = tmp_path_factory.mktemp("comm_ddp")
+    mp.spawn(_worker, args=(f"file://{tmp}/store", str(tmp / "results.pt")), nprocs=WORLD)
+    return torch.load(tmp / "results.pt")
 
 
-def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(tmp_path):
-    out = _run(tmp_path, "equivalence")
+def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(runs):
+    out = runs["equivalence"]
     torch.testing.assert_close(out["allreduce"], out["none"], rtol=0, atol=0)
     torch.testing.assert_close(out["managed"], out["none"], rtol=1e-6, atol=1e-7)
     dense = out["allreduce_summary"]["comm_bytes"]
@@ -165,8 +173,8 @@ def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(tmp_pa
     assert not torch.allclose(out["powersgd"], out["none"])
 
 
-def test_small_budget_loses_nothing_and_respects_priority(tmp_path):
-    out = _run(tmp_path, "nothing_lost")
+def test_small_budget_loses_nothing_and_respects_priority(runs):
+    out = runs["nothing_lost"]
     torch.testing.assert_close(
         out["sent_total"] + out["mean_residual"], out["grad_total"], rtol=1e-5, atol=1e-6
     )
@@ -183,9 +191,8 @@ def test_small_budget_loses_nothing_and_respects_priority(tmp_path):
     assert want != set(sum(g.view(8, 4).abs().sum(1) for g in out["rank_grads"]).topk(2).indices.tolist())
 
 
-def test_staleness_bound_with_a_slow_worker(tmp_path):
-    s = 2
-    out = _run(tmp_path, "stale", s)
+def test_staleness_bound_with_a_slow_worker(runs):
+    s, out = 2, runs["stale2"]
     fast, slow = out["starts"]
     steps = len(fast)
     for t in range(s + 1, steps):  # rank 0 starts step t only after rank 1 finished step t-s-1
@@ -197,9 +204,8 @@ def test_staleness_bound_with_a_slow_worker(tmp_path):
     torch.testing.assert_close(out["final"][0], out["final"][1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("s", [0])
-def test_staleness_zero_is_synchronous(tmp_path, s):
-    out = _run(tmp_path, "stale", s)
+def test_staleness_zero_is_synchronous(runs):
+    out = runs["stale0"]
     fast, slow = out["starts"]
     assert all(fast[t] >= slow[t - 1] + SLEEP - 0.02 for t in range(1, len(fast)))
     torch.testing.assert_close(out["applied"], out["mean"], rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 """Gradient communication for data-parallel distillation: Bösen managed communication and AdaRevision.
 
-``CommConfig`` (the ``comm:`` recipe section) is pydantic only; ``register_comm_hook``, ``CommState`` and
-``AdaRevision`` import torch.distributed when first used.
+``CommConfig`` (the ``comm:`` recipe section) is pydantic only; ``register_comm_hook``, ``attach_comm_hook``,
+``CommState`` and ``AdaRevision`` import torch when first used.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .config import CommConfig
 _LAZY = {
     "register_comm_hook": "hooks",
     "CommState": "hooks",
+    "attach_comm_hook": "hooks",
     "AdaRevision": "adarevision",
 }
 

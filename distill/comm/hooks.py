@@ -199,3 +199,17 @@ def register_comm_hook(
     else:
         ddp_model.register_comm_hook(state, managed_hook)
     return state
+
+
+def attach_comm_hook(model: torch.nn.Module, cfg: CommConfig) -> CommState | None:
+    """``register_comm_hook`` for a model as ``accelerator.prepare`` returned it: a DDP model gets the hook;
+    any other (one process, DeepSpeed) is left alone when ``cfg`` asks for nothing beyond plain all-reduce."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return register_comm_hook(model, cfg)
+    if cfg.hook != "allreduce" or cfg.staleness:
+        raise ValueError(
+            f"comm.hook={cfg.hook} with staleness={cfg.staleness} needs the multi-process DDP path, but the "
+            f"model is a {type(model).__name__}; to resolve, launch >= 2 processes without DeepSpeed, or drop "
+            "the comm section"
+        )
+    return None
