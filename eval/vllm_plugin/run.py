@@ -10,6 +10,7 @@ when prompts are token ids (tiny random checkpoints have none).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -54,25 +55,57 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def upper_layer_rows(llm) -> list[int]:
+    """Start recording how many rows enter the last decoder layer per forward (in-process engines only);
+    returns the live list.  With SwiftKV fast prefill this is the number of logits rows, not of tokens."""
+    rows: list[int] = []
+
+    def install(model) -> None:
+        layer = model.model.layers[-1]
+        layer.register_forward_pre_hook(lambda _mod, args: rows.append(int(args[1].shape[0])))
+
+    llm.apply_model(install)
+    return rows
+
+
+def run_case(case: dict) -> dict:
+    """One engine start: ``{"model", "prompts", "max_tokens"=8, "engine"={}, "repeat"=1, "rows"=False}`` ->
+    ``{"tokens": [per repeat: [per prompt: ids]], "rows": [...]}``, or ``{"error": "..."}`` if it fails."""
+    try:
+        llm = make_llm(case["model"], **case.get("engine", {}))
+    except Exception as exc:  # reported to the caller, which decides whether the failure was expected
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    rows = upper_layer_rows(llm) if case.get("rows") else []
+    tokens = [greedy(llm, case["prompts"], case.get("max_tokens", 8)) for _ in range(case.get("repeat", 1))]
+    del llm
+    gc.collect()
+    return {"tokens": tokens, "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python -m eval.vllm_plugin.run --model DIR --prompts '[[5, 6, 7]]' "
-        "--engine '{\"enable_prefix_caching\": false}' --out tokens.json",
+        epilog="examples:\n  python -m eval.vllm_plugin.run --model DIR --prompts '[[5, 6, 7]]' --max-tokens 8\n"
+        "  python -m eval.vllm_plugin.run --cases cases.json --out results.json   # several engines, one process",
     )
-    parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    parser.add_argument("--model", help="checkpoint directory")
+    parser.add_argument("--prompts", help="JSON list of token-id lists")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--engine", default="{}", help="JSON dict of extra vllm.LLM keyword arguments")
-    parser.add_argument("--repeat", type=int, default=1, help="generate this many times (prefix-cache hits)")
-    parser.add_argument("--out", help="write {'tokens': [[...], ...] per repeat} here (default: stdout)")
+    parser.add_argument("--cases", help="JSON file with a list of cases (see run_case); replaces --model")
+    parser.add_argument("--out", help="write the JSON result here (default: stdout)")
     args = parser.parse_args(argv)
+    if not args.cases and not (args.model and args.prompts):
+        parser.error("give --model and --prompts, or --cases FILE")
     for key, value in cpu_environment(os.environ.get("TMPDIR", "/tmp")).items():
         os.environ.setdefault(key, value)
-    llm = make_llm(args.model, **json.loads(args.engine))
-    tokens = [greedy(llm, json.loads(args.prompts), args.max_tokens) for _ in range(args.repeat)]
-    text = json.dumps({"tokens": tokens})
+    if args.cases:
+        result = [run_case(case) for case in json.loads(Path(args.cases).read_text())]
+    else:
+        case = dict(model=args.model, prompts=json.loads(args.prompts), max_tokens=args.max_tokens)
+        result = run_case({**case, "engine": json.loads(args.engine)})
+    text = json.dumps(result)
     if args.out:
         Path(args.out).write_text(text)
     else:

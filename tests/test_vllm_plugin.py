@@ -1,0 +1,133 @@
+"""The SwiftKV vLLM plugin on vLLM's CPU build: greedy tokens equal our transformers path, prompt rows really
+skip layers >= l, AcrossKV, teacher mode, and a checkpoint missing a SwiftKV weight is refused by name.
+
+vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so
+the checkpoints and the reference tokens are made here and all vLLM engines run in ONE subprocess there
+(``python -m eval.vllm_plugin.run --cases``), which pays vLLM's import once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_base
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import swiftkv.convert
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}; run scripts/setup_vllm_cpu.sh"
+)
+
+# head_dim 32: vLLM's CPU attention supports head sizes >= 32
+TINY = dict(num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=6)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [(7 * i) % 120 + 3 for i in range(70)]]  # mixed lengths
+MAX_TOKENS = 8
+# block 32: the 70-token prompt fills two blocks, so the second pass hits the prefix cache
+CACHED = {"block_size": 32, "enable_prefix_caching": True}
+# no prefix cache, and 16-token steps: the long prompt is prefilled in chunks next to decoding requests
+CHUNKED = {"block_size": 32, "enable_prefix_caching": False, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+MISSING = "layers.5.self_attn.q_proj_swiftkv.weight"
+
+
+def reference(path: Path, mode: str) -> list[list[int]]:
+    """Greedy continuations from our transformers inference path (one prompt at a time, no padding)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.set_mode(mode)
+    model.generation_config.eos_token_id = None  # like vLLM's ignore_eos: EOS may be generated, not banned
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+        )
+        out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+def edit_checkpoint(src: Path, dst: Path, config=None, drop: str | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    if drop:
+        (shard,) = dst.glob("*.safetensors")
+        tensors = load_file(shard)
+        del tensors["model." + drop]
+        save_file(tensors, shard, metadata={"format": "pt"})
+        shutil.rmtree(dst / "model.safetensors.index.json", ignore_errors=True)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    tiny_base("llama", **TINY).save_pretrained(tmp / "base")
+    g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
+    g3 = swiftkv.convert.convert(tmp / "base", tmp / "g3", swiftkv_fraction=0.5, group_size=3)
+    teacher = edit_checkpoint(g1, tmp / "teacher", config={"swiftkv": False})
+    missing = edit_checkpoint(g1, tmp / "missing", drop=MISSING)
+    cases = {
+        "cached": dict(model=str(g1), engine=CACHED, repeat=2, rows=True),
+        "chunked": dict(model=str(g1), engine=CHUNKED),
+        "acrosskv": dict(model=str(g3), engine=CACHED),
+        "teacher": dict(model=str(teacher), engine=CACHED),
+        "missing": dict(model=str(missing)),
+    }
+    for case in cases.values():
+        case.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    (tmp / "cases.json").write_text(json.dumps(list(cases.values())))
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp / "cases.json"), "--out",
+         str(tmp / "out.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = dict(zip(cases, json.loads((tmp / "out.json").read_text()), strict=True))
+    refs = {
+        "g1": reference(g1, "student"),
+        "g3": reference(g3, "student"),
+        "teacher": reference(g1, "teacher"),
+    }
+    return results, refs
+
+
+def test_greedy_equals_transformers_with_prefix_cache_and_real_skipping(runs):
+    results, refs = runs
+    first, second = results["cached"]["tokens"]
+    assert first == refs["g1"]
+    assert second == refs["g1"]  # second pass reads the long prompt's blocks from the prefix cache
+    assert refs["g1"] != refs["teacher"]  # the SwiftKV path really differs from the original model
+    rows = results["cached"]["rows"]
+    # every forward sends at most one row per request through layers >= l (the prefill step has 79 tokens)
+    assert rows and max(rows) <= len(PROMPTS)
+
+
+def test_chunked_prefill_without_prefix_cache(runs):
+    results, refs = runs
+    assert results["chunked"]["tokens"] == [refs["g1"]]
+
+
+def test_acrosskv_group_of_three(runs):
+    results, refs = runs
+    assert results["acrosskv"]["tokens"] == [refs["g3"]]
+
+
+def test_teacher_mode_is_the_original_model(runs):
+    results, refs = runs
+    assert results["teacher"]["tokens"] == [refs["teacher"]]
+
+
+def test_missing_swiftkv_weight_is_refused_by_name(runs):
+    results, _ = runs
+    assert "model." + MISSING in results["missing"]["error"]
