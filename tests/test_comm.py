@@ -105,3 +105,14 @@ def test_adarevision_delay_uses_the_snapshot_from_delay_steps_ago():
         fresh.step()
     torch.testing.assert_close(a, b)
     assert not torch.allclose(a, c)  # the correction did something
+
+
+def test_attach_leaves_non_ddp_models_alone_unless_asked_for_more():
+    from distill.comm import attach_comm_hook, register_comm_hook
+
+    model = torch.nn.Linear(2, 2)
+    assert attach_comm_hook(model, CommConfig()) is None
+    with pytest.raises(ValueError, match="needs the multi-process DDP path.*to resolve"):
+        attach_comm_hook(model, CommConfig(hook="managed", budget=0.1))
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        register_comm_hook(model, CommConfig())

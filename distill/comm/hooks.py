@@ -46,6 +46,7 @@ class CommState:
     delayed: deque = field(default_factory=deque)  # per past step: {param: (future, offset, numel)}
     launching: dict = field(default_factory=dict)
     powersgd: psgd.PowerSGDState | None = None
+    names: dict[torch.Tensor, str] = field(default_factory=dict)  # param -> name, for checkpoints
     _step_bytes: int = 0
 
     @property
@@ -62,6 +63,31 @@ class CommState:
         self.last_step_bytes, self._step_bytes = self._step_bytes, 0
         self.steps += 1
 
+    def state_dict(self) -> dict:
+        """Residuals, the delayed averages still to apply (waited for) and the counters, by parameter name,
+        so that ``accelerator.register_for_checkpointing(state)`` resumes without losing an update."""
+        if self.powersgd is not None:
+            raise ValueError("comm hook: checkpointing PowerSGD state is not supported; use hook=managed")
+        delayed = [
+            {self.names[p]: f.wait()[o : o + n].clone() for p, (f, o, n) in s.items()} for s in self.delayed
+        ]
+        return {
+            "residual": {self.names[p]: r.clone() for p, r in self.residual.items()},
+            "delayed": delayed,
+            "ages": dict(self.ages),
+            "counters": [self.bytes_sent, self.dense_bytes, self.last_step_bytes, self.steps],
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        params = {n: p for p, n in self.names.items()}
+        self.residual = {params[n]: r.to(params[n].device) for n, r in sd["residual"].items()}
+        self.delayed = deque(
+            {params[n]: (_done(t.to(params[n].device)), 0, t.numel()) for n, t in s.items()}
+            for s in sd["delayed"]
+        )
+        self.ages = dict(sd["ages"])
+        self.bytes_sent, self.dense_bytes, self.last_step_bytes, self.steps = sd["counters"]
+
     def summary(self) -> dict[str, float]:
         return {
             "comm_steps": self.steps,
@@ -69,6 +95,12 @@ class CommState:
             "comm_bytes_last_step": self.last_step_bytes,
             "comm_byte_ratio": self.bytes_sent / self.dense_bytes if self.dense_bytes else 1.0,
         }
+
+
+def _done(tensor: torch.Tensor) -> Future:
+    fut: Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
 
 
 def _allreduce(state: CommState, tensor: torch.Tensor) -> Future:
@@ -85,9 +117,7 @@ def _flat_params(bucket: dist.GradBucket) -> torch.Tensor:
 def _managed(state: CommState, bucket: dist.GradBucket) -> Future:
     cfg, buf, params = state.cfg, bucket.buffer(), bucket.parameters()
     numels = [p.numel() for p in params]
-    update = torch.cat(
-        [state.residual.get(p, torch.zeros(n, dtype=buf.dtype)) for p, n in zip(params, numels, strict=True)]
-    )
+    update = torch.cat([state.residual.get(p, buf.new_zeros(n)) for p, n in zip(params, numels, strict=True)])
     update += buf
     num_blocks = math.ceil(buf.numel() / cfg.block_size)
     k = min(num_blocks, max(1, round(cfg.budget * num_blocks)))
@@ -106,10 +136,10 @@ def _managed(state: CommState, bucket: dist.GradBucket) -> Future:
         if ages is None or ages.numel() != num_blocks:
             ages = state.ages[bucket.index()] = torch.zeros(num_blocks)
         scores = priority.fifo_scores(ages)
-    chosen = priority.choose(scores, k)
+    chosen = priority.choose(scores, k).to(buf.device)
     if cfg.priority == "fifo":
         ages += 1
-        ages[chosen] = 0
+        ages[chosen.cpu()] = 0
     blocked = priority.blocks(update, cfg.block_size)
     sent = blocked[chosen].contiguous()
     blocked[chosen] = 0
@@ -131,9 +161,7 @@ def _delay(state: CommState, bucket: dist.GradBucket, fut: Future) -> Future:
         state.launching[p] = (fut, offset, p.numel())
         offset += p.numel()
     if len(state.delayed) < state.cfg.staleness:
-        out: Future = torch.futures.Future()
-        out.set_result(torch.zeros_like(bucket.buffer()))
-        return out
+        return _done(torch.zeros_like(bucket.buffer()))
     old = [state.delayed[0][p] for p in params]
     unique = list({id(f): f for f, _, _ in old}.values())
     return torch.futures.collect_all(unique).then(
@@ -187,7 +215,8 @@ def register_comm_hook(
             f"register_comm_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}; "
             "to resolve, pass the model returned by accelerator.prepare in a multi-process run"
         )
-    state = CommState(cfg, process_group or dist.group.WORLD)
+    names = {p: n for n, p in ddp_model.module.named_parameters()}
+    state = CommState(cfg, process_group or dist.group.WORLD, names=names)
     if cfg.hook == "powersgd":
         state.powersgd = psgd.PowerSGDState(
             process_group=process_group,
