@@ -145,7 +145,7 @@ def test_cli_resumes_and_refuses_mixed_options(backend, tmp_path):
     backend.model.save_pretrained(model_dir)
     backend.tokenizer.save_pretrained(model_dir)
     out = tmp_path / "cot.jsonl"
-    args = ["cot", "--model", str(model_dir), "--data", "arith:3:0", "--max-tokens", "16", "--chunk", "4",
+    args = ["cot", "--model", str(model_dir), "--data", "arith:3:0", "--max-tokens", "8", "--chunk", "4",
             "--out", str(out)]  # fmt: skip
     main(args[:-1] + [str(tmp_path / "ref.jsonl")])
     ref = [json.loads(x) for x in (tmp_path / "ref.jsonl").read_text().splitlines()]
