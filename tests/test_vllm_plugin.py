@@ -36,19 +36,22 @@ MAX_TOKENS = 8
 CACHED = {"block_size": 32, "enable_prefix_caching": True}
 # no prefix cache, and 16-token steps: the long prompt is prefilled in chunks next to decoding requests
 CHUNKED = {"block_size": 32, "enable_prefix_caching": False, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+# repetitive prompts, so vLLM's n-gram proposer drafts tokens that the target then verifies
+SPEC_PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 2 + [5, 6, 7], [12, 13] * 4]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 MISSING = "layers.5.self_attn.q_proj_swiftkv.weight"
 
 
-def reference(path: Path, mode: str) -> list[list[int]]:
+def reference(path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Greedy continuations from our transformers inference path (one prompt at a time, no padding)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.set_mode(mode)
     model.generation_config.eos_token_id = None  # like vLLM's ignore_eos: EOS may be generated, not banned
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
         )
         out.append(gen[0, len(prompt) :].tolist())
     return out
@@ -85,6 +88,10 @@ def runs(tmp_path_factory):
     }
     for case in cases.values():
         case.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    # last: an engine started after a speculative one in the same process fails in vLLM 0.32
+    cases["spec"] = dict(
+        model=str(g1), engine={"speculative_config": NGRAM}, prompts=SPEC_PROMPTS, max_tokens=12, rows=True
+    )
     (tmp / "cases.json").write_text(json.dumps(list(cases.values())))
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -98,6 +105,7 @@ def runs(tmp_path_factory):
         "g1": reference(g1, "student"),
         "g3": reference(g3, "student"),
         "teacher": reference(g1, "teacher"),
+        "spec": reference(g1, "student", SPEC_PROMPTS, 12),
     }
     return results, refs
 
@@ -131,3 +139,11 @@ def test_teacher_mode_is_the_original_model(runs):
 def test_missing_swiftkv_weight_is_refused_by_name(runs):
     results, _ = runs
     assert "model." + MISSING in results["missing"]["error"]
+
+
+def test_speculative_decoding_keeps_draft_rows(runs):
+    results, refs = runs
+    assert results["spec"]["tokens"] == [refs["spec"]]
+    assert results["spec"]["rows"][0] == len(SPEC_PROMPTS)  # the prefill step: one row per request
+    # draft tokens were verified: some forward sent more than one row per request through layers >= l
+    assert max(results["spec"]["rows"]) > len(SPEC_PROMPTS)
