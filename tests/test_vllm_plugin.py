@@ -147,3 +147,25 @@ def test_speculative_decoding_keeps_draft_rows(runs):
     assert results["spec"]["rows"][0] == len(SPEC_PROMPTS)  # the prefill step: one row per request
     # draft tokens were verified: some forward sent more than one row per request through layers >= l
     assert max(results["spec"]["rows"]) > len(SPEC_PROMPTS)
+
+
+@pytest.mark.smollm2
+def test_smollm2_student_equals_transformers_and_teacher_equals_stock_llama(smollm2, tmp_path):
+    prompts = [[1, 9690, 198] + [(37 * i) % 40000 + 100 for i in range(n)] for n in (5, 60, 300)]
+    student = swiftkv.convert.convert(smollm2, tmp_path / "skv50", swiftkv_fraction=0.5)
+    teacher = edit_checkpoint(student, tmp_path / "teacher", config={"swiftkv": False})
+    engine = {"max_model_len": 512, "enable_prefix_caching": False}
+    cases = [
+        dict(model=str(m), engine=engine, prompts=prompts, max_tokens=6) for m in (smollm2, teacher, student)
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp_path / "cases.json"), "--out",
+         str(tmp_path / "out.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock, as_teacher, as_student = (r["tokens"][0] for r in json.loads((tmp_path / "out.json").read_text()))
+    assert as_teacher == stock
+    assert as_student == reference(student, "student", prompts, 6)
