@@ -13,7 +13,7 @@ import torch
 from distill.scar.blocks import make_blocks
 from distill.scar.config import ScarConfig
 from distill.scar.faults import KILL_ENV, damage_blocks, pick_blocks, truncate_file
-from distill.scar.running import RunningCheckpoint, owned_by_rank
+from distill.scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
 from distill.scar.store import CorruptBlockError
 
 
@@ -196,6 +196,49 @@ def test_ranks_write_disjoint_blocks_and_recover_only_their_own(tmp_path):
     for name, p in model.named_parameters():
         expected = before[name] + (1.0 if name in shares[0] else 0.0)
         assert torch.equal(p, expected), name
+
+
+def _ddp_rank(rank: int, root: str, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=rank, world_size=world)
+    model = tiny_model(seed=0)  # identical replicas
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 3)
+    cfg = ScarConfig(fraction=1, every_steps=1, block="row-block", rows_per_block=8)
+    named = list(model.named_parameters())
+    RunningCheckpoint(root, owned_by_rank(named, rank, world), cfg, opt, rank=rank).save(3)
+    expected = snapshot(model, opt)
+    # every replica lost: restarted processes with other weights and no optimizer state
+    fresh = tiny_model(seed=10 + rank)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    train_steps(fresh, fresh_opt, 1, seed=rank)
+    named = list(fresh.named_parameters())
+    RunningCheckpoint(root, owned_by_rank(named, rank, world), cfg, fresh_opt, rank=rank).recover()
+    broadcast_from_owners(named, fresh_opt)
+    params, state = snapshot(fresh, fresh_opt)
+    for name in params:
+        assert torch.equal(params[name], expected[0][name]), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[name][key], expected[1][name][key]), (name, key)
+    dist.destroy_process_group()
+
+
+def test_ddp_full_loss_each_rank_restores_its_share_and_broadcasts(tmp_path):
+    torch.multiprocessing.spawn(_ddp_rank, args=(str(tmp_path), 2), nprocs=2)
+    assert {p.name for p in tmp_path.glob("rank_*")} == {"rank_00000", "rank_00001"}
+
+
+def test_recover_newer_than_skips_blocks_older_than_the_full_checkpoint(tmp_path):
+    params = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    ckpt = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.5, every_steps=1))
+    ckpt.maybe_save(0)
+    params["a"] += 1
+    ckpt.maybe_save(5)  # only "a" moved
+    params["a"] += 1
+    params["b"] += 1
+    assert ckpt.recover(newer_than=3) == ["a"]
+    assert params["a"].tolist() == [1.0] * 3 and params["b"].tolist() == [1.0] * 3
 
 
 def test_config_errors_name_the_input_and_the_fix(tmp_path):

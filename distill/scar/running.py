@@ -171,10 +171,15 @@ class RunningCheckpoint:
         return sorted(out.values(), key=lambda b: self._index[b.id])
 
     @torch.no_grad()
-    def recover(self, lost: Iterable[str] | None = None) -> list[str]:
+    def recover(self, lost: Iterable[str] | None = None, newer_than: int | None = None) -> list[str]:
         """Restore the lost blocks (default: all) from their latest saved copy, parameters and optimizer
-        state, in place; every other value stays as it is.  Return the restored block ids."""
+        state, in place; every other value stays as it is.  ``newer_than=S`` keeps only blocks saved after
+        step S (on top of a full checkpoint of step S).  Return the restored block ids."""
         blocks = self.blocks if lost is None else self.resolve(lost)
+        if newer_than is not None:
+            blocks = [
+                b for b in blocks if b.id not in self.entries or self.entries[b.id]["step"] > newer_than
+            ]
         missing = [b.id for b in blocks if b.id not in self.entries]
         if missing:
             raise CorruptBlockError(
@@ -208,16 +213,38 @@ class RunningCheckpoint:
         return {b.id for b in self.blocks if not torch.isfinite(b.rows(self.params[b.name].detach())).all()}
 
 
+def owners(named: Iterable[tuple[str, torch.Tensor]], world_size: int) -> dict[str, int]:
+    """Under DDP every rank holds every parameter: a balanced owner per tensor (largest first, to the least
+    loaded rank), the same on every rank, so that each block is written by exactly one rank."""
+    load = [0] * world_size
+    out = {}
+    for name, tensor in sorted(named, key=lambda item: (-item[1].numel(), item[0])):
+        out[name] = min(range(world_size), key=load.__getitem__)
+        load[out[name]] += tensor.numel()
+    return out
+
+
 def owned_by_rank(
     named: Iterable[tuple[str, torch.Tensor]], rank: int, world_size: int
 ) -> dict[str, torch.Tensor]:
-    """Under DDP every rank holds every parameter: give each rank a balanced share (largest first, to the
-    least loaded rank) so that each block is written by exactly one rank."""
-    load = [0] * world_size
-    mine = {}
-    for name, tensor in sorted(named, key=lambda item: (-item[1].numel(), item[0])):
-        owner = min(range(world_size), key=load.__getitem__)
-        load[owner] += tensor.numel()
-        if owner == rank:
-            mine[name] = tensor
-    return mine
+    """The tensors this rank checkpoints under DDP (see ``owners``)."""
+    named = list(named)
+    owner = owners(named, world_size)
+    return {name: tensor for name, tensor in named if owner[name] == rank}
+
+
+@torch.no_grad()
+def broadcast_from_owners(
+    named: Iterable[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """After a DDP recovery each owner restored its own tensors: copy them (and their optimizer state
+    tensors) to every replica.  Collective: every rank calls it with the same tensors."""
+    import torch.distributed as dist
+
+    tensors = dict(named)
+    for name, rank in owners(tensors.items(), dist.get_world_size()).items():
+        tensor = tensors[name]
+        dist.broadcast(tensor, src=rank)
+        state = optimizer.state[tensor] if optimizer is not None else {}
+        for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)):
+            dist.broadcast(state[key], src=rank)
