@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import swiftkv.convert
+from eval.vllm_plugin.run import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -169,3 +173,46 @@ def test_smollm2_student_equals_transformers_and_teacher_equals_stock_llama(smol
     stock, as_teacher, as_student = (r["tokens"][0] for r in json.loads((tmp_path / "out.json").read_text()))
     assert as_teacher == stock
     assert as_student == reference(student, "student", prompts, 6)
+
+
+@pytest.mark.slow
+def test_openai_server_answers_through_the_plugin(smollm2, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tiny_base("llama", **TINY, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    model = swiftkv.convert.convert(tmp_path / "base", tmp_path / "skv", swiftkv_fraction=0.5)
+    tokenizer.save_pretrained(model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **cpu_environment(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine in a child process
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
+           "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not come up in 300 s"
+            try:
+                urllib.request.urlopen(base + "/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": str(model), "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(
+            base + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+        assert answer["usage"]["completion_tokens"] == 4
+        assert "LlamaSwiftKVForCausalLM" in (tmp_path / "server.log").read_text()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
