@@ -133,6 +133,8 @@ def test_chunked_prefill_without_prefix_cache(runs):
 def test_acrosskv_group_of_three(runs):
     results, refs = runs
     assert results["acrosskv"]["tokens"] == [refs["g3"]]
+    # one cache per group: 3 normal layers + 1 group of 3 SwiftKV layers (g=1 keeps all 6)
+    assert (results["acrosskv"]["kv_layers"], results["cached"]["kv_layers"]) == (4, 6)
 
 
 def test_teacher_mode_is_the_original_model(runs):

@@ -68,18 +68,31 @@ def upper_layer_rows(llm) -> list[int]:
     return rows
 
 
+def kv_cache_layers(llm) -> int:
+    """How many attention layers own a KV cache (KV-sharing layers read another layer's)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    def count(model) -> int:
+        return sum(
+            isinstance(m, Attention) and m.kv_sharing_target_layer_name is None for m in model.modules()
+        )
+
+    return llm.apply_model(count)[0]
+
+
 def run_case(case: dict) -> dict:
     """One engine start: ``{"model", "prompts", "max_tokens"=8, "engine"={}, "repeat"=1, "rows"=False}`` ->
-    ``{"tokens": [per repeat: [per prompt: ids]], "rows": [...]}``, or ``{"error": "..."}`` if it fails."""
+    ``{"tokens": [per repeat: [per prompt: ids]], "rows": [...], "kv_layers": n}``, or ``{"error": "..."}`` if it fails."""
     try:
         llm = make_llm(case["model"], **case.get("engine", {}))
     except Exception as exc:  # reported to the caller, which decides whether the failure was expected
         return {"error": f"{type(exc).__name__}: {exc}"}
     rows = upper_layer_rows(llm) if case.get("rows") else []
+    kv_layers = kv_cache_layers(llm)
     tokens = [greedy(llm, case["prompts"], case.get("max_tokens", 8)) for _ in range(case.get("repeat", 1))]
     del llm
     gc.collect()
-    return {"tokens": tokens, "rows": rows}
+    return {"tokens": tokens, "rows": rows, "kv_layers": kv_layers}
 
 
 def main(argv: list[str] | None = None) -> None:
