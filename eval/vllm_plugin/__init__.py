@@ -11,7 +11,10 @@ Importing this package imports neither vLLM nor torch; ``register()`` does, when
 
 from __future__ import annotations
 
-MODEL_CLASSES = {"LlamaSwiftKVForCausalLM": "eval.vllm_plugin.llama:LlamaSwiftKVForCausalLM"}
+MODEL_CLASSES = {
+    "LlamaSwiftKVForCausalLM": "eval.vllm_plugin.llama:LlamaSwiftKVForCausalLM",
+    "Qwen2SwiftKVForCausalLM": "eval.vllm_plugin.llama:Qwen2SwiftKVForCausalLM",
+}
 
 
 def fast_prefill_applies(hf_config) -> bool:

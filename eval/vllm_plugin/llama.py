@@ -1,4 +1,4 @@
-"""SwiftKV Llama for vLLM, composed from vLLM's own Llama modules.
+"""SwiftKV Llama (and Qwen2, which is Llama with q/k/v biases) for vLLM, composed from vLLM's Llama modules.
 
 Layout of the KV caches: every AcrossKV group (leader layer ``j``) owns one vLLM ``Attention`` at
 ``model.swiftkv_kv.{j}`` that holds the group's cache, and the attention of every layer >= l is a KV-sharing
@@ -58,7 +58,7 @@ class SwiftKVLayout:
         self.first = config.num_key_value_layers if config.swiftkv else self.num_layers
         self.group_size = config.key_value_group_size
         self.leaders = list(range(self.first, self.num_layers, self.group_size))
-        self.bias = bool(getattr(config, "attention_bias", False))
+        self.bias = bool(getattr(config, "qkv_bias", getattr(config, "attention_bias", False)))
 
     def leader_of(self, layer: int) -> int:
         return self.first + (layer - self.first) // self.group_size * self.group_size
@@ -269,3 +269,16 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
 
     def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type=LlamaDecoderLayer):
         return LlamaSwiftKVModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+
+class Qwen2SwiftKVForCausalLM(LlamaSwiftKVForCausalLM):
+    """Qwen2 is Llama with biases on q/k/v (not on o_proj): vLLM's Llama layers read that from ``qkv_bias``."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs):
+        config = vllm_config.model_config.hf_config
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                "Qwen2 SwiftKV checkpoints with use_sliding_window=true are not supported by the plugin"
+            )
+        config.qkv_bias = True
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
