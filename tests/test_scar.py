@@ -299,6 +299,8 @@ def test_recover_newer_than_skips_blocks_older_than_the_full_checkpoint(tmp_path
     params["b"] += 1
     assert ckpt.recover(newer_than=3) == ["a"]
     assert params["a"].tolist() == [1.0] * 3 and params["b"].tolist() == [1.0] * 3
+    fresh = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.5, every_steps=1), resume=False)
+    assert fresh.entries == {} and list((tmp_path / "rank_00000").iterdir()) == []
 
 
 def test_config_errors_name_the_input_and_the_fix(tmp_path):

@@ -23,6 +23,7 @@ import torch
 from .blocks import PARAM, Block, block_payload, make_blocks, restore_payload
 from .config import ScarConfig
 from .store import (
+    MANIFEST,
     CorruptBlockError,
     read_block,
     read_manifest,
@@ -42,7 +43,9 @@ class RunningCheckpoint:
         config: ScarConfig,
         optimizer: torch.optim.Optimizer | None = None,
         rank: int = 0,
+        resume: bool = True,
     ):
+        """``resume=False`` (a run that starts from scratch) discards what the folder holds."""
         self.config = config
         self.folder = Path(directory) / f"rank_{rank:05d}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -55,6 +58,8 @@ class RunningCheckpoint:
         self.cursor = 0  # round-robin position
         self.version = 0  # number of completed saves
         self.bytes_written = 0
+        if not resume:
+            (self.folder / MANIFEST).unlink(missing_ok=True)  # first: the old state is gone as a whole
         self._open()
 
     def _open(self) -> None:
