@@ -109,6 +109,8 @@ def pack(samples, seq_len: int, pad_id: int, packing: bool = True) -> dict[str, 
 
     for sample in samples:
         s_ids, counted = sample["input_ids"][:seq_len], sample["counted"][:seq_len]
+        if not any(counted[1:]):  # e.g. a long prompt whose reply starts past seq_len: nothing to learn
+            continue
         if ids and (not packing or len(ids) + len(s_ids) > seq_len):
             flush()
             ids, pos, mask = [], [], []

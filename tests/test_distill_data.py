@@ -95,6 +95,8 @@ def test_pack_restarts_positions_and_shifts_the_mask():
     assert rows["loss_mask"].tolist() == [[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
     unpacked = pack(samples, seq_len=6, pad_id=0, packing=False)
     assert unpacked["input_ids"].shape == (3, 6)
+    cut_off = {"input_ids": list(range(10)), "counted": [0] * 7 + [1] * 3}  # the reply starts past seq_len
+    assert pack([cut_off], seq_len=6, pad_id=0)["input_ids"].shape == (0, 6)
 
 
 def test_packed_rows_attend_within_their_sample():
