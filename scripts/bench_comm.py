@@ -179,9 +179,10 @@ def print_table(summary: dict, world: int, steps: int, staleness: int) -> None:
             )
     print(f"\nPart 2: held-out loss after {steps} steps with staleness s={staleness}, W={world}")
     stale = [r for r in summary["rows"] if r["part"] == "stale"]
-    best = min(stale, key=lambda r: r["loss"])
+    best = min(r["loss"] for r in stale if math.isfinite(r["loss"]))
     for r in stale:
-        print(f"{r['name']:34} loss {r['loss']:.5f}  ({r['loss'] / best['loss']:.2f}x best)")
+        ratio = f"{r['loss'] / best:.2f}x best" if math.isfinite(r["loss"]) else "diverged"
+        print(f"{r['name']:34} loss {r['loss']:.5f}  ({ratio})")
 
 
 def main(argv: list[str] | None = None) -> dict:
