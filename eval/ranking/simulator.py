@@ -30,13 +30,13 @@ POLICIES: tuple[str, ...] = ("fcfs", "ltr", "oracle")
 class CostModel:
     """Seconds per iteration = base + prefill_token * prefill tokens + decode_token * decoding sequences.
 
-    Defaults: SmolLM2-135M fp32 on this project's 2-core CPU machine, fitted by :func:`calibrate_cost_model`
-    (shared machine; rerun ``python -m eval.ranking calibrate`` for your hardware).
+    Defaults: SmolLM2-135M fp32, fitted by :func:`calibrate_cost_model` on this project's 2-core CPU
+    machine while it was shared (load ~6), so slow; rerun ``python -m eval.ranking calibrate`` for yours.
     """
 
-    base: float = 0.035
-    prefill_token: float = 0.0021
-    decode_token: float = 0.0035
+    base: float = 0.66
+    prefill_token: float = 0.0044
+    decode_token: float = 0.0145
 
     def iteration(self, prefill_tokens: int, decode_tokens: int) -> float:
         return self.base + self.prefill_token * prefill_tokens + self.decode_token * decode_tokens
