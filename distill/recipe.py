@@ -15,6 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .comm import CommConfig
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
@@ -81,6 +83,9 @@ class LossSection(_Section):
 
 
 class OptimSection(_Section):
+    type: Literal["adamw", "adarevision"] = Field(
+        "adamw", description="adarevision: AdaGrad with the delayed-gradient revision (Bösen; uses lr only)"
+    )
     lr: float = Field(2e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
@@ -135,6 +140,7 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
+    comm: CommConfig = Field(CommConfig(), description="gradient communication on the DDP path (not DeepSpeed)")
 
 
 class RecipeError(ValueError):

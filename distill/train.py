@@ -30,12 +30,13 @@ from tqdm.auto import tqdm
 from swiftkv.artifacts import write_json_atomic
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
+from .comm import AdaRevision, CommState, attach_comm_hook
 from .data import build_datasets
 from .objective import DistillationObjective
 from .recipe import Recipe
 
 KILL_ENV = "SWIFTKV_DISTILL_KILL_AT_STEP"  # fault injection for tests: hard exit after this optimizer step
-_RESUME_FIELDS = ("model", "data", "loss", "optim")
+_RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
 _RESUME_TRAIN_FIELDS = ("micro_batch_size", "grad_accum", "trainable", "lora", "seed")
 
 
@@ -117,6 +118,7 @@ class Run:
     max_steps: int
     start_step: int
     out: Path
+    comm: CommState | None = None
 
 
 def _schedule(recipe: Recipe, max_steps: int):
@@ -143,9 +145,12 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def setup(recipe: Recipe) -> Run:
-    # gloo on CPU; the handler must only be passed to multi-process launches (else accelerate expects a group)
+    # gloo on CPU; the handler must only be passed to multi-process launches (else accelerate expects a group),
+    # and without DeepSpeed accelerate only wraps a CPU model in DDP when told cpu=True
     cpu_multi = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     accelerator = Accelerator(
+        cpu=cpu_multi and not deepspeed,
         gradient_accumulation_steps=recipe.train.grad_accum,
         mixed_precision=recipe.train.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -176,12 +181,18 @@ def setup(recipe: Recipe) -> Run:
     )
     objective = DistillationObjective(model, recipe.loss, recipe.train.shared_lower_layers)
     params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=recipe.optim.lr, betas=recipe.optim.betas, weight_decay=recipe.optim.weight_decay
-    )
+    if recipe.optim.type == "adarevision":
+        optimizer = AdaRevision(params, lr=recipe.optim.lr, delay=recipe.comm.staleness)
+    else:
+        optimizer = torch.optim.AdamW(
+            params, lr=recipe.optim.lr, betas=recipe.optim.betas, weight_decay=recipe.optim.weight_decay
+        )
     objective, optimizer, train_loader, eval_loader = accelerator.prepare(
         objective, optimizer, train_loader, eval_loader
     )
+    comm = attach_comm_hook(objective, recipe.comm)  # None on one process or DeepSpeed with the default comm
+    if comm is not None:
+        accelerator.register_for_checkpointing(comm)  # residuals and in-flight averages survive a resume
     steps_per_epoch = max(1, len(train_loader) // recipe.train.grad_accum)
     max_steps = recipe.train.max_steps or math.ceil(recipe.train.epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe, max_steps))
@@ -213,6 +224,7 @@ def setup(recipe: Recipe) -> Run:
         max_steps,
         start_step,
         out,
+        comm,
     )
 
 
@@ -330,6 +342,8 @@ def train(recipe: Recipe) -> Path:
                     counted_tokens_per_s=tokens / elapsed,
                 )
                 bar.set_postfix(loss=f"{record['loss']:.4f}")
+                if run.comm is not None:
+                    record.update(run.comm.summary())
             if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0 and step < run.max_steps:
                 record.update(evaluate(run))
             if acc.is_main_process and len(record) > 2:

@@ -135,3 +135,33 @@ def test_two_process_deepspeed(tiny_chat_model, chat_data, tmp_path, stage):
     steps = losses(out)
     assert len(steps) == 6 and held_out_kl_falls(out)
     check_export(recipe, tiny_chat_model, out)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_model, chat_data, tmp_path):
+    out = tmp_path / "ddp"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
+    overrides = [
+        "comm.hook=managed",
+        "comm.budget=0.1",
+        "comm.priority=relative-magnitude",
+        "optim.type=adarevision",
+        "optim.lr=0.05",
+    ]
+    run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "distill",
+            str(recipe),
+            *overrides,
+        ]
+    )
+    logged = [r for r in records(out) if "comm_byte_ratio" in r]
+    assert len(logged) == 6 and all(r["comm_byte_ratio"] < 0.2 for r in logged)
+    assert (out / "model" / "model.safetensors").is_file()
