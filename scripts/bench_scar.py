@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = [trial(name, seed, args, Path(tmp)) for seed in tqdm(range(args.trials), desc=name)]
             result["problems"][name] = {"rows": rows, "summary": summarize(rows)}
     print(
-        f"{'problem':8s} {'strategy':18s} {'median':>7s} {'mean':>7s} {'reduction':>9s} {'bytes/step':>10s}"
+        f"{'problem':8s} {'strategy':18s} {'median':>7s} {'mean':>7s} {'reduction':>9s} {'|delta|':>8s} {'bytes/step':>10s}"
     )
     for name, res in result["problems"].items():
         for s, v in res["summary"].items():
