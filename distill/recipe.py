@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .comm import CommConfig
+from .scar.config import ScarConfig
 
 
 class _Section(BaseModel):
@@ -119,6 +120,7 @@ class CheckpointSection(_Section):
     every_steps: int = Field(200, ge=1)
     keep: int = Field(2, ge=1, description="how many full checkpoints to keep")
     resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+    scar: ScarConfig | None = Field(None, description="prioritized running checkpoint (SCAR); off if absent")
 
 
 class LogSection(_Section):
@@ -140,7 +142,9 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
-    comm: CommConfig = Field(CommConfig(), description="gradient communication on the DDP path (not DeepSpeed)")
+    comm: CommConfig = Field(
+        CommConfig(), description="gradient communication on the DDP path (not DeepSpeed)"
+    )
 
 
 class RecipeError(ValueError):

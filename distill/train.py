@@ -119,6 +119,7 @@ class Run:
     start_step: int
     out: Path
     comm: CommState | None = None
+    scar: object | None = None  # distill.scar.running.RunningCheckpoint
 
 
 def _schedule(recipe: Recipe, max_steps: int):
@@ -212,6 +213,7 @@ def setup(recipe: Recipe) -> Run:
         accelerator.load_state(str(ckpt))
         start_step = state["step"]
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
+    scar = _running_checkpoint(recipe, accelerator, objective, optimizer, out, start_step)
     return Run(
         recipe,
         accelerator,
@@ -225,7 +227,39 @@ def setup(recipe: Recipe) -> Run:
         start_step,
         out,
         comm,
+        scar,
     )
+
+
+def _running_checkpoint(
+    recipe: Recipe, accelerator: Accelerator, objective, optimizer, out: Path, start_step: int
+):
+    """SCAR's prioritized running checkpoint over the blocks this rank owns (its ZeRO partition, or a share
+    of the trainable parameters); on resume, blocks saved after the full checkpoint move to their latest value."""
+    if recipe.checkpoint.scar is None:
+        return None
+    from .scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
+    from .scar.zero import push_to_model, zero_partitions
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    zero = accelerator.state.deepspeed_plugin is not None
+    if zero:
+        tensors, base_opt = zero_partitions(optimizer.optimizer)
+    else:
+        trainable = [
+            (n, p) for n, p in accelerator.unwrap_model(objective).named_parameters() if p.requires_grad
+        ]
+        tensors, base_opt = owned_by_rank(trainable, rank, world), optimizer.optimizer
+    scar = RunningCheckpoint(
+        out / "scar", tensors, recipe.checkpoint.scar, base_opt, rank=rank, resume=start_step > 0
+    )
+    if start_step > 0:
+        scar.recover(newer_than=start_step)
+        if zero:
+            push_to_model(optimizer.optimizer)
+        elif world > 1:
+            broadcast_from_owners(trainable, optimizer.optimizer)
+    return scar
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -351,6 +385,8 @@ def train(recipe: Recipe) -> Path:
                     f.write(json.dumps(record) + "\n")
             if step % cfg.checkpoint.every_steps == 0 or step == run.max_steps:
                 save_checkpoint(run, step)
+            if run.scar is not None:
+                run.scar.maybe_save(step)  # no collectives: each rank writes only its own blocks
             if step == kill_at:
                 os._exit(17)
             if step >= run.max_steps:

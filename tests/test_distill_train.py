@@ -165,3 +165,14 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
     logged = [r for r in records(out) if "comm_byte_ratio" in r]
     assert len(logged) == 6 and all(r["comm_byte_ratio"] < 0.2 for r in logged)
     assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
+    out = tmp_path / "scar"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
+    scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, block: tensor, select: max-change}"]
+    run([PY, "-m", "distill", str(recipe), *scar], {KILL_ENV: "5"}, expect=17)
+    manifests = list((out / "scar").rglob("manifest.json"))
+    assert manifests, "no running checkpoint written"
+    run([PY, "-m", "distill", str(recipe), *scar])  # resumes from step 3 plus the newer running blocks
+    assert (out / "model" / "model.safetensors").is_file()
