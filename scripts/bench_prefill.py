@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eval.speed import interleaved, prompt_ids, time_decode, time_prefill
-from swiftkv.convert import read_config, to_swiftkv
+from swiftkv.convert import read_config, resolve_num_key_value_layers, to_swiftkv
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,7 +41,7 @@ def variants(original, specs: list[tuple[float, int]]) -> dict[str, torch.nn.Mod
     L = original.config.num_hidden_layers
     models = {"original": original}
     for fraction, g in specs:
-        l = L - g * round(fraction * L / g)
+        l = resolve_num_key_value_layers(L, None, fraction, g)
         model = to_swiftkv(original, l, g)
         model.set_mode("student")
         models[f"swiftkv{round(fraction * 100)}-g{g}"] = model
