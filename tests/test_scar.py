@@ -116,6 +116,46 @@ def test_max_change_writes_the_blocks_that_moved_most_and_all_blocks_stay_held(t
     assert set(reopened.entries) == set(params) and reopened.detect_corrupt() == set()
 
 
+def test_max_change_ranks_by_squared_change_per_byte_within_the_byte_budget(tmp_path):
+    params = {"big": torch.zeros(8, 4), **{f"s{i}": torch.zeros(1, 4) for i in range(4)}}
+    ckpt = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))  # 48 of 192 bytes
+    ckpt.maybe_save(0)
+    for name, move in {"big": 1.0, "s0": 2.0, "s1": 0.1, "s2": 3.0, "s3": 1.5}.items():
+        params[name] += move
+    # squared change per byte: s2 2.25, s0 1.0, s3 0.56, big 0.25, s1 0.0025; big has the 2nd largest norm
+    assert ckpt.maybe_save(1) == ["s0", "s2", "s3"]
+    assert [ckpt.maybe_save(s) for s in (2, 3)] == [[], []]  # big (128 bytes) comes next: save up for it
+    assert ckpt.credit == 96
+    assert ckpt.maybe_save(4) == ["big", "s1"]  # 144 bytes: big, then s1 fits in what is left
+    assert ckpt.credit == 0 and ckpt.change_norms() == dict.fromkeys(params, 0.0)
+    reopened = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))
+    assert set(reopened.entries) == set(params) and reopened.credit == ckpt.credit
+
+
+@pytest.mark.parametrize("select", ["max-change", "round-robin", "random"])
+def test_byte_budget_bounds_each_save_and_is_spent_exactly_over_time(tmp_path, select):
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = ScarConfig(fraction=0.25, every_steps=1, block="row-block", rows_per_block=16, select=select)
+    ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt)
+    train_steps(model, opt, 1)  # Adam's state exists from here on
+    assert ckpt.maybe_save(0) == [b.id for b in ckpt.blocks]
+    sizes = ckpt.block_bytes()
+    # values + exp_avg + exp_avg_sq rows, and the scalar step: optimizer state is part of the budget
+    assert sizes["0.weight[0:16]"] == 3 * 16 * 12 * 4 + 4 and sizes["0.weight[32:40]"] == 3 * 8 * 12 * 4 + 4
+    share = round(0.25 * sum(sizes.values()))
+    spent = 0
+    for step in range(1, 41):
+        train_steps(model, opt, 1, seed=step)
+        credit = ckpt.credit
+        written = sum(sizes[b] for b in ckpt.maybe_save(step))
+        assert written <= credit + share and ckpt.credit < max(sizes.values())
+        spent += written
+    assert spent == 40 * share - ckpt.credit  # long-run bytes per save equal the share, to the byte
+    on_disk = sum(e["bytes"] for e in ckpt.entries.values())
+    assert sum(sizes.values()) < on_disk < sum(sizes.values()) + 1024 * len(sizes)  # payload + headers
+
+
 def test_round_robin_and_random_cover_every_block(tmp_path):
     params = {f"w{i}": torch.randn(10) for i in range(6)}
     rr = RunningCheckpoint(

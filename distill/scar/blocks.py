@@ -8,7 +8,7 @@ the parameter's shape are sliced like it, scalar state (Adam's ``step``) is stor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +44,29 @@ def make_blocks(params: Mapping[str, torch.Tensor], config: ScarConfig) -> list[
     return blocks
 
 
+def _payload_views(
+    block: Block, param: torch.Tensor, state: Mapping[str, object] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a block's payload holds (views into the live tensors): its parameter rows, the same rows
+    of state tensors shaped like the parameter, and scalar state whole."""
+    yield PARAM, block.rows(param.detach())
+    for key, value in (state or {}).items():
+        if not isinstance(value, torch.Tensor):
+            continue  # e.g. a momentum buffer that is still None
+        yield STATE + key, (block.rows(value) if value.shape == param.shape else value).detach()
+
+
 def block_payload(
     block: Block, param: torch.Tensor, state: Mapping[str, object] | None
 ) -> dict[str, torch.Tensor]:
     """CPU copies of the block's parameter rows and optimizer state, ready for serialization."""
-    out = {PARAM: block.rows(param.detach()).to("cpu", copy=True).contiguous()}
-    for key, value in (state or {}).items():
-        if not isinstance(value, torch.Tensor):
-            continue  # e.g. a momentum buffer that is still None
-        part = block.rows(value) if value.shape == param.shape else value
-        out[STATE + key] = part.detach().to("cpu", copy=True).contiguous()
-    return out
+    return {key: view.to("cpu", copy=True).contiguous() for key, view in _payload_views(block, param, state)}
+
+
+def block_nbytes(block: Block, param: torch.Tensor, state: Mapping[str, object] | None) -> int:
+    """Bytes of the block's payload tensors (what a save of it writes, less the file header); the unit of
+    the running checkpoint's I/O budget, so that blocks of different sizes are compared fairly."""
+    return sum(view.numel() * view.element_size() for _, view in _payload_views(block, param, state))
 
 
 @torch.no_grad()

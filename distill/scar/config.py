@@ -1,25 +1,30 @@
 """The ``checkpoint.scar`` recipe section: how often, how much and which parameter blocks the running
 checkpoint writes.  Pure pydantic (no torch), so the recipe module can import it cheaply.
 
-Equal I/O budget with a full checkpoint every ``F`` steps means ``fraction * F == every_steps``
+The budget is in bytes (parameter values plus optimizer state), not in blocks, because row blocks and
+tensors differ in size: a running save may write ``fraction`` of the bytes of all this rank's blocks.  Equal
+I/O with a full checkpoint every ``F`` steps then means ``fraction * F == every_steps``
 (``ScarConfig.equal_budget`` builds that config); the benchmark compares strategies at that point.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class ScarConfig(BaseModel):
-    """Prioritized running checkpoint (SCAR): every ``every_steps`` steps, write ``fraction`` of the blocks."""
+    """Prioritized running checkpoint (SCAR): every ``every_steps`` steps, write blocks worth
+    ``fraction`` of this rank's checkpoint bytes."""
 
     model_config = ConfigDict(extra="forbid")
 
     fraction: float = Field(
-        0.25, gt=0, le=1, description="share of this rank's blocks written at each running save"
+        0.25,
+        gt=0,
+        le=1,
+        description="share of this rank's checkpoint bytes (values + optimizer state) written per running save",
     )
     every_steps: int = Field(50, ge=1, description="optimizer steps between two running saves")
     block: Literal["tensor", "row-block"] = Field(
@@ -28,18 +33,14 @@ class ScarConfig(BaseModel):
     rows_per_block: int = Field(64, ge=1, description="rows per block when block=row-block")
     select: Literal["max-change", "round-robin", "random"] = Field(
         "max-change",
-        description="max-change: largest ||x - x_saved|| first (SCAR); round-robin and random: baselines",
+        description="max-change: largest ||x - x_saved||^2 per byte first (SCAR); round-robin, random: baselines",
     )
     seed: int = Field(0, description="seed of the random selection")
-
-    def blocks_per_save(self, num_blocks: int) -> int:
-        """How many blocks one running save writes (at least one)."""
-        return max(1, min(num_blocks, math.ceil(self.fraction * num_blocks - 1e-9)))
 
     @classmethod
     def equal_budget(cls, full_every_steps: int, fraction: float, **fields) -> ScarConfig:
         """The running checkpoint that writes, per step, the bytes of a full checkpoint every
-        ``full_every_steps`` steps: ``fraction`` of the blocks every ``fraction * full_every_steps`` steps."""
+        ``full_every_steps`` steps: ``fraction`` of the bytes every ``fraction * full_every_steps`` steps."""
         every = fraction * full_every_steps
         if every < 1 or abs(every - round(every)) > 1e-9:
             raise ValueError(

@@ -1,11 +1,15 @@
 """The prioritized running checkpoint (SCAR) of one rank, and partial recovery from it.
 
-Every ``every_steps`` steps ``maybe_save`` writes ``fraction`` of this rank's blocks, chosen by the change
-of their values since their own last save (``||x - x_saved||``, SCAR's max-change), round-robin, or at
-random; blocks that have no valid saved copy (first save, a corrupt file) are always written.  So the
-checkpoint always holds every block, each at the step it was last written.  ``recover(lost)`` reads only the
-lost blocks (checksums verified) back into the live parameters and optimizer state and leaves every other
-value untouched; ``recover()`` restores all blocks (a full loss).
+Every ``every_steps`` steps ``maybe_save`` writes blocks worth ``fraction`` of the bytes of this rank's blocks
+(parameter values plus optimizer state), so that at ``ScarConfig.equal_budget`` it writes as many bytes per
+step as a full checkpoint.  The policy orders the blocks and the save writes the longest prefix of that order
+that fits the budget; what is left carries over to the next save (at most one block's bytes), so a large
+block is written late rather than never, and the long-run bytes per step match the budget exactly.
+Orders: SCAR's max-change, by ``||x - x_saved||^2`` per byte (see ``select``), round-robin, or random.
+Blocks that have no valid saved copy (first save, a corrupt file) are always written, outside the order.
+So the checkpoint always holds every block, each at the step it was last written.  ``recover(lost)`` reads
+only the lost blocks (checksums verified) back into the live parameters and optimizer state and leaves every
+other value untouched; ``recover()`` restores all blocks (a full loss).
 
 Each rank owns one folder ``<directory>/rank_<r>`` and the tensors it is given: under DDP a share of the
 replicated parameters (``owned_by_rank``), under ZeRO its optimizer partition (``zero_partitions``).  The
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import PARAM, Block, block_payload, make_blocks, restore_payload
+from .blocks import PARAM, Block, block_nbytes, block_payload, make_blocks, restore_payload
 from .config import ScarConfig
 from .store import (
     MANIFEST,
@@ -56,6 +60,7 @@ class RunningCheckpoint:
         self.saved: dict[str, torch.Tensor] = {}  # block id -> values at its last save (host memory)
         self.entries: dict[str, dict] = {}  # block id -> manifest entry of its latest valid file
         self.cursor = 0  # round-robin position
+        self.credit = 0  # bytes of budget left over from earlier saves
         self.version = 0  # number of completed saves
         self.bytes_written = 0
         if not resume:
@@ -74,7 +79,7 @@ class RunningCheckpoint:
                 f"running checkpoint {self.folder} holds blocks this run does not have ({unknown[0]}, ...); "
                 "to resolve, use the same parameters and block settings, or a new folder"
             )
-        self.cursor, self.version = manifest["cursor"], manifest["version"]
+        self.cursor, self.credit, self.version = manifest["cursor"], manifest["credit"], manifest["version"]
         for bid, entry in manifest["blocks"].items():
             try:
                 payload = read_block(self.folder, entry)
@@ -106,23 +111,44 @@ class RunningCheckpoint:
             norms[b.id] = torch.linalg.vector_norm(live - saved.float()).item()
         return norms
 
+    def block_bytes(self) -> dict[str, int]:
+        """Payload bytes per block with the optimizer state as it is now (Adam's appears at its first step)."""
+        return {b.id: block_nbytes(b, self.params[b.name], self._state(b.name)) for b in self.blocks}
+
     def select(self, step: int) -> list[str]:
-        """The blocks the running save at ``step`` writes: unsaved ones, then the policy's choice."""
+        """The blocks the running save at ``step`` writes: unsaved ones, then the longest prefix of the
+        policy's order that fits the byte budget (this save's share plus the credit left over).
+
+        Max-change orders by ``||x - x_saved||^2`` per byte.  SCAR's bound grows with the norm of the
+        perturbation a recovery causes, ``||delta||^2 = sum over lost blocks of ||x_b - x_saved_b||^2``; saving
+        block b removes its term at the cost of its bytes, so under a byte budget the largest squared change
+        per byte first is the greedy knapsack order.  With equal-size blocks (the paper's setting) it is the
+        paper's rule: the largest change first."""
+        sizes = self.block_bytes()
         unsaved = [b.id for b in self.blocks if b.id not in self.entries]
-        budget = self.config.blocks_per_save(len(self.blocks)) - len(unsaved)
+        share = round(self.config.fraction * sum(sizes.values()))  # whole bytes: 1/3 of 240 is 80
+        budget = self.credit + share - sum(sizes[b] for b in unsaved)
         candidates = [b.id for b in self.blocks if b.id in self.entries]
-        if budget <= 0 or not candidates:
-            return unsaved
         if self.config.select == "max-change":
             norms = self.change_norms()
-            chosen = sorted(candidates, key=lambda bid: -norms[bid])[:budget]
+            order = sorted(candidates, key=lambda bid: -(norms[bid] ** 2) / max(1, sizes[bid]))
         elif self.config.select == "round-robin":
-            start = self.cursor % len(candidates)
-            chosen = (candidates[start:] + candidates[:start])[:budget]
-            self.cursor = (start + len(chosen)) % len(candidates)
+            start = self.cursor % max(1, len(candidates))
+            order = candidates[start:] + candidates[:start]
         else:
             gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
-            chosen = [candidates[i] for i in torch.randperm(len(candidates), generator=gen)[:budget].tolist()]
+            order = [candidates[i] for i in torch.randperm(len(candidates), generator=gen).tolist()]
+        chosen = []
+        for bid in order:
+            if sizes[bid] > budget:
+                self.credit = max(0, budget)  # saved up for the block that did not fit; no overdraft
+                break
+            chosen.append(bid)
+            budget -= sizes[bid]
+        else:
+            self.credit = 0  # every block written: nothing waits for the rest of the budget
+        if self.config.select == "round-robin" and candidates:
+            self.cursor = (start + len(chosen)) % len(candidates)
         return unsaved + sorted(chosen, key=self._index.__getitem__)
 
     def maybe_save(self, step: int) -> list[str]:
@@ -150,7 +176,13 @@ class RunningCheckpoint:
         self.version += 1
         write_manifest(
             self.folder,
-            {"step": step, "version": self.version, "cursor": self.cursor, "blocks": self.entries},
+            {
+                "step": step,
+                "version": self.version,
+                "cursor": self.cursor,
+                "credit": self.credit,
+                "blocks": self.entries,
+            },
         )
         for name in superseded:
             (self.folder / name).unlink(missing_ok=True)

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 
 from . import faults
 
-FORMAT = "scar-running-checkpoint/1"
+FORMAT = "scar-running-checkpoint/2"  # 2: byte budget credit
 MANIFEST = "manifest.json"
 
 
