@@ -1,4 +1,4 @@
-"""``python -m eval harness|quality|tasks|report``: thin CLIs over the eval functions."""
+"""``python -m eval harness|quality|tasks|report|vllm-args``: thin CLIs over the eval functions."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ EPILOG = """examples:
       --include_path out/tasks --tasks sharegpt_ppl --device cpu
   python -m eval quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
   python -m eval report out/demo                       # report.md + PNGs from out/demo/run.json
+  python -m eval vllm-args out/smollm2-swiftkv50 --suffix-cache out/suffix-cache --ranker out/ranker
 """
 
 
@@ -45,6 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     report = sub.add_parser("report", help="report.md and PNG plots from RUN_DIR/run.json")
     report.add_argument("run_dir", type=Path)
     report.add_argument("--baseline", help="accepted for compatibility; the run records its own baseline")
+    serve = sub.add_parser(
+        "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
+    )
+    serve.add_argument("checkpoint", type=Path)
+    serve.add_argument("--suffix-cache", type=Path, help="from `python -m eval.suffix build`")
+    serve.add_argument("--ranker", type=Path, help="from `python -m eval.ranking train`")
+    serve.add_argument("--cpu", action="store_true", help="add vLLM CPU backend settings")
+    serve.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
 
     try:
@@ -68,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 json.dumps(evaluate_quality(args.model, args.conversations, n_prompts=args.prompts), indent=2)
             )
+        elif args.command == "vllm-args":
+            from .vllm_args import serve_command
+
+            print(serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell())
         else:
             from .report import write_report
 
