@@ -161,14 +161,15 @@ def test_speculative_decoding_keeps_draft_rows(runs):
 
 
 @pytest.mark.smollm2
-def test_smollm2_student_equals_transformers_and_teacher_equals_stock_llama(smollm2, tmp_path):
+def test_smollm2_student_equals_transformers_with_and_without_prefix_cache(smollm2, tmp_path):
     prompts = [[1, 9690, 198] + [(37 * i) % 40000 + 100 for i in range(n)] for n in (5, 60, 300)]
     student = swiftkv.convert.convert(smollm2, tmp_path / "skv50", swiftkv_fraction=0.5)
     teacher = edit_checkpoint(student, tmp_path / "teacher", config={"swiftkv": False})
     engine = {"max_model_len": 512, "enable_prefix_caching": False}
     cases = [
         dict(model=str(m), engine=engine, prompts=prompts, max_tokens=6) for m in (smollm2, teacher, student)
-    ]
+    ]  # and the student with the prefix cache, twice: the second pass prefills from cached blocks
+    cases.append(dict(cases[-1], engine={**engine, "enable_prefix_caching": True}, repeat=2))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -177,9 +178,12 @@ def test_smollm2_student_equals_transformers_and_teacher_equals_stock_llama(smol
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    stock, as_teacher, as_student = (r["tokens"][0] for r in json.loads((tmp_path / "out.json").read_text()))
+    stock, as_teacher, as_student, cached = (
+        r["tokens"] for r in json.loads((tmp_path / "out.json").read_text())
+    )
     assert as_teacher == stock
-    assert as_student == reference(student, "student", prompts, 6)
+    expected = reference(student, "student", prompts, 6)
+    assert as_student == [expected] and cached == [expected, expected]
 
 
 @pytest.mark.slow
