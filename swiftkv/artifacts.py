@@ -8,6 +8,7 @@ half-written output.  Each artifact also records what made it in ``provenance.js
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -57,6 +58,12 @@ def atomic_output_dir(dst: str | os.PathLike, force: bool = False) -> Iterator[P
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dst)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in chunks (model files are large)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:

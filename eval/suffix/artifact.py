@@ -23,7 +23,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_provenance
+from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
 from .cache import SpecConfig, SuffixCache
 from .tree import SuffixTree, _Node
@@ -41,14 +41,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "special": sorted((k, v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)),
     }
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
@@ -147,7 +139,7 @@ def save_cache(
             },
             "num_responses": cache.num_responses,
             "num_tokens": sum(len(s) for s in cache.global_tree.seqs.values()),
-            "tree_sha256": _sha256(tmp / TREE_FILE),
+            "tree_sha256": sha256_file(tmp / TREE_FILE),
         }
         write_json_atomic(tmp / META_FILE, meta)
         write_provenance(tmp, "eval.suffix build", **provenance)
@@ -191,7 +183,7 @@ def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | Non
                 f"{have[:12]}; to resolve, rebuild the cache with --model set to this model"
             )
     tree_path = path / TREE_FILE
-    if not tree_path.is_file() or _sha256(tree_path) != meta["tree_sha256"]:
+    if not tree_path.is_file() or sha256_file(tree_path) != meta["tree_sha256"]:
         raise ValueError(
             f"{tree_path} is missing or corrupt (sha256 mismatch); to resolve, rebuild the cache"
         )
