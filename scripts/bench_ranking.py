@@ -29,7 +29,7 @@ def _csv(kind):
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
-def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
+def tau_table(args) -> tuple[dict[str, list[dict]], dict[str, Path]]:
     kinds = {
         "swiftkv-head": dict(epochs=args.head_epochs),
         "small-lm": dict(
@@ -41,7 +41,7 @@ def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
         for kind, options in kinds.items()
         for objective in ("listmle", "buckets")
     }
-    taus: dict[str, list[float]] = {name: [] for name in variants}
+    taus: dict[str, list[dict]] = {name: [] for name in variants}
     first: dict[str, Path] = {}
     for seed in range(args.seeds):  # interleaved: every variant on the same split before the next split
         for name, options in variants.items():
@@ -57,9 +57,9 @@ def tau_table(args) -> tuple[dict[str, list[float]], dict[str, Path]]:
                     **options,
                 )
                 train_ranker(args.traces, out, config, force=True)
-            taus[name].append(evaluate_ranker(out, args.traces)["kendall_tau"])
+            taus[name].append(evaluate_ranker(out, args.traces))
             first.setdefault(name, out)
-            print(f"seed {seed} {name}: tau {taus[name][-1]:.3f}", flush=True)
+            print(f"seed {seed} {name}: tau {taus[name][-1]['kendall_tau']:.3f}", flush=True)
     return taus, first
 
 
@@ -141,19 +141,36 @@ def main() -> None:
     args = parser.parse_args()
 
     taus, rankers = tau_table(args)
-    print("\npredictor | median tau | splits | vs bucket baseline (same kind)")
+    print(
+        "\npredictor | median tau | splits | vs bucket baseline (same kind) | "
+        "tie-free oracle tau | prompt-length tau | held-out at cap"
+    )
     summary = {}
-    for name, values in taus.items():
-        if not values:
+    for name, results in taus.items():
+        if not results:
             continue
-        base = taus[name.replace("listmle", "buckets")]
+        values = [r["kendall_tau"] for r in results]
+        base = [r["kendall_tau"] for r in taus[name.replace("listmle", "buckets")]]
         ratio = (
             statistics.median(values) / statistics.median(base)
             if base and statistics.median(base)
             else float("nan")
         )
-        summary[name] = {"median_tau": statistics.median(values), "taus": values, "vs_buckets": ratio}
-        print(f"{name} | {statistics.median(values):.3f} | {len(values)} | {ratio:.2f}x")
+        context = {
+            key: statistics.median(r[key] for r in results)
+            for key in ("tie_free_oracle_tau", "prompt_len_tau", "capped_fraction")
+        }
+        summary[name] = {
+            "median_tau": statistics.median(values),
+            "taus": values,
+            "vs_buckets": ratio,
+            **context,
+        }
+        print(
+            f"{name} | {statistics.median(values):.3f} | {len(values)} | {ratio:.2f}x | "
+            f"{context['tie_free_oracle_tau']:.3f} | {context['prompt_len_tau']:.3f} | "
+            f"{context['capped_fraction']:.0%}"
+        )
     listmle = {name: path for name, path in rankers.items() if "listmle" in name}
     rows = latency_table(args, listmle)
     print(f"\nsimulated serving (median of {args.sim_seeds} arrival seeds, {args.requests} requests)")

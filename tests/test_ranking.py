@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eval.ranking.__main__ import main
-from eval.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss
+from eval.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from eval.ranking.predictors import HiddenStateFeatures, Ranker
 from eval.ranking.traces import generate_traces, load_traces, split_traces
 from eval.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
@@ -120,6 +120,16 @@ def test_kendall_tau_and_labels():
     with pytest.raises(ValueError, match="bin=0"):
         length_labels(lengths, 10, 0)
     assert len(bucket_edges(np.arange(100), 4)) == 3
+
+
+def test_tau_ceiling_is_the_tau_of_a_tie_free_perfect_predictor():
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.integers(1, 400, 300), 256)  # ~36% at the cap: one big tie
+    labels = length_labels(lengths, cap=256)
+    tie_broken = labels + rng.random(len(labels)) * 0.5  # same order, no ties
+    assert tau_ceiling(labels) == pytest.approx(kendall_tau(tie_broken, labels))
+    assert tau_ceiling(labels) < 0.95
+    assert tau_ceiling(np.arange(10.0)) == pytest.approx(1.0)
 
 
 def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, synthetic_traces):

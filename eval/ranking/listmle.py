@@ -50,6 +50,18 @@ def kendall_tau(scores: Sequence[float] | np.ndarray, labels: Sequence[float] | 
     return float(kendalltau(np.asarray(scores), np.asarray(labels)).statistic)
 
 
+def tau_ceiling(labels: Sequence[float] | np.ndarray) -> float:
+    """Kendall's tau-b of a perfect predictor whose scores never tie: sqrt(1 - tied label pairs / pairs).
+
+    Below 1 when labels tie; with short length caps most replies share the lowest label, so this, not 1,
+    is the scale against which a measured tau is read.
+    """
+    _, counts = np.unique(np.asarray(labels), return_counts=True)
+    n = counts.sum()
+    pairs, tied = n * (n - 1) / 2, float((counts * (counts - 1) / 2).sum())
+    return float(np.sqrt(1 - tied / pairs)) if pairs else float("nan")
+
+
 def bucket_edges(lengths: Sequence[int] | np.ndarray, buckets: int) -> np.ndarray:
     """Inner edges of ``buckets`` equal-mass length buckets from training lengths (classification baseline)."""
     if buckets < 2:

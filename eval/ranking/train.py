@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_provenance
 
-from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss
+from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from .predictors import (
     HEAD_FILE,
     Ranker,
@@ -212,7 +212,10 @@ def held_out_traces(
 def evaluate_ranker(
     ranker_dir: str | os.PathLike, traces_path: str | os.PathLike, split: str = "held-out"
 ) -> dict:
-    """Kendall's tau of the ranker on held-out prompts, beside the prompt-length heuristic and the oracle."""
+    """Kendall's tau of the ranker on held-out prompts, beside the prompt-length heuristic and the oracle.
+
+    The oracle is tie-free (as any real predictor is), so its tau is below 1 when many replies hit the cap.
+    """
     ranker = Ranker(ranker_dir)
     traces = held_out_traces(ranker_dir, traces_path, split)
     labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
@@ -224,5 +227,6 @@ def evaluate_ranker(
         "n": len(traces),
         "kendall_tau": kendall_tau(scores, labels),
         "prompt_len_tau": kendall_tau([-t.prompt_len for t in traces], labels),
-        "oracle_tau": kendall_tau(labels, labels),
+        "tie_free_oracle_tau": tau_ceiling(labels),
+        "capped_fraction": float(np.mean([t.output_len >= ranker.spec.label_cap for t in traces])),
     }
