@@ -156,6 +156,21 @@ def test_byte_budget_bounds_each_save_and_is_spent_exactly_over_time(tmp_path, s
     assert sum(sizes.values()) < on_disk < sum(sizes.values()) + 1024 * len(sizes)  # payload + headers
 
 
+def test_copies_saved_before_the_optimizer_state_existed_are_rewritten_with_it(tmp_path):
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), ScarConfig(every_steps=2), opt)
+    ckpt.maybe_save(0)  # Adam creates its state at the first step
+    train_steps(model, opt, 1)
+    assert ckpt.maybe_save(1) == []  # off schedule
+    assert ckpt.maybe_save(2) == [b.id for b in ckpt.blocks]  # outside the 25% budget: copies lack state
+    _, state = snapshot(model, opt)
+    train_steps(model, opt, 1, seed=3)
+    ckpt.recover(["0.weight"])
+    assert torch.equal(opt.state[model[0].weight]["exp_avg_sq"], state["0.weight"]["exp_avg_sq"])
+    assert ckpt.maybe_save(4) != [b.id for b in ckpt.blocks]  # back to the budget
+
+
 def test_round_robin_and_random_cover_every_block(tmp_path):
     params = {f"w{i}": torch.randn(10) for i in range(6)}
     rr = RunningCheckpoint(

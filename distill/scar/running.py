@@ -6,7 +6,8 @@ step as a full checkpoint.  The policy orders the blocks and the save writes the
 that fits the budget; what is left carries over to the next save (at most one block's bytes), so a large
 block is written late rather than never, and the long-run bytes per step match the budget exactly.
 Orders: SCAR's max-change, by ``||x - x_saved||^2`` per byte (see ``select``), round-robin, or random.
-Blocks that have no valid saved copy (first save, a corrupt file) are always written, outside the order.
+Blocks that have no valid saved copy (first save, a corrupt file) or whose copy lacks optimizer state the
+live block has now (saved before the optimizer's first step) are always written, outside the order.
 So the checkpoint always holds every block, each at the step it was last written.  ``recover(lost)`` reads
 only the lost blocks (checksums verified) back into the live parameters and optimizer state and leaves every
 other value untouched; ``recover()`` restores all blocks (a full loss).
@@ -116,8 +117,9 @@ class RunningCheckpoint:
         return {b.id: block_nbytes(b, self.params[b.name], self._state(b.name)) for b in self.blocks}
 
     def select(self, step: int) -> list[str]:
-        """The blocks the running save at ``step`` writes: unsaved ones, then the longest prefix of the
-        policy's order that fits the byte budget (this save's share plus the credit left over).
+        """The blocks the running save at ``step`` writes: unsaved ones (no copy, or a copy of another payload
+        size: optimizer state has appeared since), then the longest prefix of the policy's order that fits
+        the byte budget (this save's share plus the credit left over).
 
         Max-change orders by ``||x - x_saved||^2`` per byte.  SCAR's bound grows with the norm of the
         perturbation a recovery causes, ``||delta||^2 = sum over lost blocks of ||x_b - x_saved_b||^2``; saving
@@ -125,10 +127,13 @@ class RunningCheckpoint:
         per byte first is the greedy knapsack order.  With equal-size blocks (the paper's setting) it is the
         paper's rule: the largest change first."""
         sizes = self.block_bytes()
-        unsaved = [b.id for b in self.blocks if b.id not in self.entries]
+        unsaved = [
+            b.id for b in self.blocks if self.entries.get(b.id, {}).get("payload_bytes") != sizes[b.id]
+        ]
         share = round(self.config.fraction * sum(sizes.values()))  # whole bytes: 1/3 of 240 is 80
         budget = self.credit + share - sum(sizes[b] for b in unsaved)
-        candidates = [b.id for b in self.blocks if b.id in self.entries]
+        pending = set(unsaved)
+        candidates = [b.id for b in self.blocks if b.id not in pending]
         if self.config.select == "max-change":
             norms = self.change_norms()
             order = sorted(candidates, key=lambda bid: -(norms[bid] ** 2) / max(1, sizes[bid]))
@@ -170,7 +175,9 @@ class RunningCheckpoint:
             entry = write_block(
                 self.folder, f"{self._index[bid]:06d}.v{self.version + 1}.safetensors", payload
             )
-            written[bid], values[bid] = {**entry, "step": step}, payload[PARAM]
+            payload_bytes = sum(t.numel() * t.element_size() for t in payload.values())
+            written[bid] = {**entry, "step": step, "payload_bytes": payload_bytes}
+            values[bid] = payload[PARAM]
         superseded = [self.entries[bid]["file"] for bid in ids if bid in self.entries]
         self.entries.update(written)
         self.version += 1
