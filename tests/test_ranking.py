@@ -181,7 +181,14 @@ def test_small_lm_and_bucket_baseline_train(tiny_model, synthetic_traces, tmp_pa
     out = train_ranker(synthetic_traces, tmp_path / "lm", lm)
     info = json.loads((out / TRAIN_FILE).read_text())
     assert info["history"][-1]["loss_per_item"] < info["history"][0]["loss_per_item"]
-    assert Ranker(out).model.config.num_hidden_layers == 2
+    ranker = Ranker(out)
+    assert ranker.model.config.num_hidden_layers == 2
+    # training scores micro-batches in length order; the recorded tau must still pair scores with prompts
+    train = split_traces(load_traces(synthetic_traces), 0.2, 0)[0]
+    labels = length_labels([t.output_len for t in train], 160)
+    assert kendall_tau(ranker.score([t.prompt for t in train]), labels) == pytest.approx(
+        info["train_tau"], abs=1e-3
+    )
     assert evaluate_ranker(out, synthetic_traces)["kendall_tau"] > 0.3
     cls = train_ranker(
         synthetic_traces, tmp_path / "cls", TrainConfig(objective="buckets", buckets=4, epochs=40)

@@ -112,7 +112,7 @@ class HiddenStateFeatures:
         """Pooled features (n, 2H); each distinct prompt is run once per instance (later calls hit a cache)."""
         from tqdm import tqdm
 
-        todo = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        todo = sorted(dict.fromkeys(p for p in prompts if p not in self._cache), key=len)  # less padding
         for i in tqdm(range(0, len(todo), batch_size), desc=f"x_{self.layer}", disable=not progress):
             enc = self.encode(todo[i : i + batch_size])
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
