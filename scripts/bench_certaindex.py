@@ -12,7 +12,9 @@ enough that SmolLM2-135M solves some, with exact integer answers.  Per problem, 
 
 Reports accuracy, tokens per problem (CoT early exit: main + probe tokens), the token ratio against the
 baseline, per-problem medians and how many answers flipped right->wrong / wrong->right.  Tokens are counts,
-not timings; wall seconds are shown for information only.
+not timings; wall seconds are shown for information only.  Per-problem records are appended to
+``OUT.jsonl.partial`` as each problem finishes (``eval.certaindex.records``), so rerunning the same command
+after an interruption continues where it stopped.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 EPILOG = """examples:
   flock /tmp/bench.lock python scripts/bench_certaindex.py \\
-      --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --problems 16 --out bench_certaindex.json
+      --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --problems 16 --out out/bench/certaindex.json
   python scripts/bench_certaindex.py --model MODEL_DIR --skip-sc --preset high --cot-max-tokens 512
 """
 
@@ -46,26 +48,67 @@ def _arm(name: str, records: list[dict], baseline: list[dict] | None = None) -> 
     return row
 
 
-def bench_cot(backend, problems, args) -> tuple[list[dict], dict]:
+def solve_cot(backend, p, i: int, args) -> dict:
+    """One problem's full-budget and early-exit chains (same chunk seeds, so early is a prefix of full)."""
     from eval.certaindex.answers import answers_equal
     from eval.certaindex.backends import Sampling
     from eval.certaindex.certainty import preset
     from eval.certaindex.cot import run_cot
 
     window, chunk = preset(args.preset)
-    full, early = [], []
-    for i, p in enumerate(problems):
-        prompt = backend.chat_format(p.prompt_text())
-        for sink, exit_early in ((full, False), (early, True)):
-            t = time.perf_counter()
-            r = run_cot(backend, prompt, max_tokens=args.cot_max_tokens, window=window, chunk=chunk,
-                        early_exit=exit_early, sampling=Sampling(args.temperature, args.top_p, args.seed + i))  # fmt: skip
-            sink.append({"id": p.id, "answer": r.answer, "correct": answers_equal(r.answer, p.answer),
-                         "tokens": r.main_tokens + r.probe_tokens, "main_tokens": r.main_tokens,
-                         "probe_tokens": r.probe_tokens, "probe_input_tokens": r.probe_input_tokens,
-                         "exited_early": r.exited_early, "seconds": time.perf_counter() - t})  # fmt: skip
-        print(f"cot {p.id}: ref {p.answer} | full {full[-1]['answer']!r} {full[-1]['tokens']} tok | "
-              f"early {early[-1]['answer']!r} {early[-1]['main_tokens']}+{early[-1]['probe_tokens']} tok", flush=True)  # fmt: skip
+    prompt = backend.chat_format(p.prompt_text())
+    record = {}
+    for arm, exit_early in (("cot_full", False), ("cot_early", True)):
+        t = time.perf_counter()
+        r = run_cot(backend, prompt, max_tokens=args.cot_max_tokens, window=window, chunk=chunk,
+                    early_exit=exit_early, sampling=Sampling(args.temperature, args.top_p, args.seed + i))  # fmt: skip
+        record[arm] = {"answer": r.answer, "correct": answers_equal(r.answer, p.answer),
+                       "tokens": r.main_tokens + r.probe_tokens, "main_tokens": r.main_tokens,
+                       "probe_tokens": r.probe_tokens, "probe_input_tokens": r.probe_input_tokens,
+                       "probe_answers": r.probe_answers, "exited_early": r.exited_early,
+                       "seconds": time.perf_counter() - t}  # fmt: skip
+    full, early = record["cot_full"], record["cot_early"]
+    print(f"cot {p.id}: ref {p.answer} | full {full['answer']!r} {full['tokens']} tok | "
+          f"early {early['answer']!r} {early['main_tokens']}+{early['probe_tokens']} tok", flush=True)  # fmt: skip
+    return record
+
+
+def solve_sc(backend, p, i: int, args) -> dict:
+    """One problem's full-budget SC and its certaindex-adaptive prefix (replayed; run for real and checked
+    against the replay on the first ``--sc-real`` problems)."""
+    from eval.certaindex.answers import answers_equal
+    from eval.certaindex.backends import Sampling
+    from eval.certaindex.sc import replay, run_sc
+
+    def arm(r, seconds: float) -> dict:
+        return {"answer": r.answer, "correct": answers_equal(r.answer, p.answer), "tokens": r.tokens,
+                "samples": len(r.answers), "answers": r.answers, "certaindex": r.certaindex,
+                "seconds": seconds}  # fmt: skip
+
+    prompt = backend.chat_format(p.prompt_text())
+    kwargs = dict(max_samples=args.sc_samples, step=args.sc_step, max_tokens=args.sc_max_tokens,
+                  sampling=Sampling(args.temperature, args.top_p, args.seed + 1000 * i))  # fmt: skip
+    t = time.perf_counter()
+    whole = run_sc(backend, prompt, threshold=None, **kwargs)
+    full = arm(whole, time.perf_counter() - t)
+    replayed = replay(whole, args.sc_step, args.sc_threshold)
+    seconds = float("nan")
+    if i < args.sc_real:
+        t = time.perf_counter()
+        real = run_sc(backend, prompt, threshold=args.sc_threshold, **kwargs)
+        seconds = time.perf_counter() - t
+        if real.to_dict() != replayed.to_dict():
+            raise AssertionError(f"{p.id}: adaptive SC differs from the replay of the full run")
+    print(
+        f"sc {p.id}: ref {p.answer} | full {whole.answer!r} {whole.tokens} tok | "
+        f"adaptive {replayed.answer!r} {replayed.tokens} tok ({len(replayed.answers)} samples)",
+        flush=True,
+    )
+    return {"sc_full": full, "sc_adaptive": {**arm(replayed, seconds), "real_run": i < args.sc_real}}
+
+
+def cot_rows(records: list[dict], args) -> list[dict]:
+    full, early = [r["cot_full"] for r in records], [r["cot_early"] for r in records]
     rows = [
         _arm(f"CoT full budget ({args.cot_max_tokens})", full),
         _arm(f"CoT early exit ({args.preset})", early, full),
@@ -74,47 +117,17 @@ def bench_cot(backend, problems, args) -> tuple[list[dict], dict]:
     rows[1]["probe_token_share"] = sum(r["probe_tokens"] for r in early) / max(
         1, sum(r["tokens"] for r in early)
     )
-    return rows, {"cot_full": full, "cot_early": early}
+    return rows
 
 
-def bench_sc(backend, problems, args) -> tuple[list[dict], dict]:
-    from eval.certaindex.answers import answers_equal
-    from eval.certaindex.backends import Sampling
-    from eval.certaindex.sc import replay, run_sc
-
-    def record(p, r, seconds: float) -> dict:
-        return {"id": p.id, "answer": r.answer, "correct": answers_equal(r.answer, p.answer), "tokens": r.tokens,
-                "samples": len(r.answers), "answers": r.answers, "seconds": seconds}  # fmt: skip
-
-    full, adaptive = [], []
-    for i, p in enumerate(problems):
-        prompt = backend.chat_format(p.prompt_text())
-        kwargs = dict(max_samples=args.sc_samples, step=args.sc_step, max_tokens=args.sc_max_tokens,
-                      sampling=Sampling(args.temperature, args.top_p, args.seed + 1000 * i))  # fmt: skip
-        t = time.perf_counter()
-        whole = run_sc(backend, prompt, threshold=None, **kwargs)
-        full.append(record(p, whole, time.perf_counter() - t))
-        replayed = replay(whole, args.sc_step, args.sc_threshold)
-        seconds = float("nan")
-        if i < args.sc_real:
-            t = time.perf_counter()
-            real = run_sc(backend, prompt, threshold=args.sc_threshold, **kwargs)
-            seconds = time.perf_counter() - t
-            if real.to_dict() != replayed.to_dict():
-                raise AssertionError(f"{p.id}: adaptive SC differs from the replay of the full run")
-        adaptive.append({**record(p, replayed, seconds), "real_run": i < args.sc_real})
-        print(
-            f"sc {p.id}: ref {p.answer} | full {whole.answer!r} {whole.tokens} tok | "
-            f"adaptive {replayed.answer!r} {replayed.tokens} tok ({len(replayed.answers)} samples)",
-            flush=True,
-        )
+def sc_rows(records: list[dict], args) -> list[dict]:
+    full, adaptive = [r["sc_full"] for r in records], [r["sc_adaptive"] for r in records]
     rows = [_arm(f"SC full budget ({args.sc_samples} samples)", full),
             _arm(f"SC certaindex >= {args.sc_threshold}", adaptive, full)]  # fmt: skip
-    rows[1]["median_seconds"] = (
-        statistics.median(r["seconds"] for r in adaptive[: args.sc_real]) if args.sc_real else None
-    )
+    real = [r["seconds"] for r in adaptive if r["real_run"]]
+    rows[1]["median_seconds"] = statistics.median(real) if real else None
     rows[1]["mean_samples"] = statistics.fmean(r["samples"] for r in adaptive)
-    return rows, {"sc_full": full, "sc_adaptive": adaptive}
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:
@@ -149,32 +162,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sc-real", type=int, default=2, help="problems whose adaptive SC also runs for real"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; on a shared, oversubscribed CPU one thread avoids spinning OpenMP barriers",
+    )
     parser.add_argument("--skip-cot", action="store_true")
     parser.add_argument("--skip-sc", action="store_true")
-    parser.add_argument("--out", type=Path, help="write rows, per-problem records and options as JSON")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/bench/certaindex.json"),
+        help="rows and options as JSON; per-problem records go to OUT with suffix .jsonl (resumable)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     from eval.certaindex.data import arithmetic
     from eval.certaindex.hf_backend import HFBackend
+    from eval.certaindex.records import run_resumable
+    from swiftkv.artifacts import write_json_atomic
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     backend = HFBackend.from_pretrained(args.model, args.dtype)
     problems = arithmetic(args.problems, args.data_seed)
-    rows, records = [], {}
-    for skip, bench in ((args.skip_cot, bench_cot), (args.skip_sc, bench_sc)):
-        if not skip:
-            more_rows, more_records = bench(backend, problems, args)
-            rows += more_rows
-            records.update(more_records)
-    print_table(rows)
-    if args.out:
-        from swiftkv.artifacts import write_json_atomic
+    arms = [arm for arm, skip in (((solve_cot, cot_rows), args.skip_cot), ((solve_sc, sc_rows), args.skip_sc))
+            if not skip]  # fmt: skip
+    index = {p.id: i for i, p in enumerate(problems)}
 
-        write_json_atomic(
-            args.out, {"rows": rows, "records": records, "options": {**vars(args), "out": str(args.out)}}
-        )
+    def solve(p) -> dict:
+        return {k: v for solve_one, _ in arms for k, v in solve_one(backend, p, index[p.id], args).items()}
+
+    # --problems only cuts the seeded problem list (problem i and its seeds do not depend on it), so it stays
+    # out of the resume header: rerun with fewer problems to summarize an interrupted run's finished ones.
+    options = {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "problems")
+    }
+    records = run_resumable(problems, solve, args.out.with_suffix(".jsonl"), options)
+    rows = [row for _, make_rows in arms for row in make_rows(records, args)]
+    print_table(rows)
+    write_json_atomic(
+        args.out, {"rows": rows, "options": {**options, "problems": args.problems, "out": str(args.out)}}
+    )
 
 
 if __name__ == "__main__":

@@ -183,3 +183,21 @@ def test_smollm2_probe_with_cache_equals_fresh_probe():
     probe = session.probe(PROBE_SUFFIX, 12, GREEDY)
     assert probe.text == scratch_probe(real, session.ids, 12)
     assert probe.input_tokens == 1 + len(real.encode(PROBE_SUFFIX)[0])
+
+
+def test_cli_calibrate_picks_cheapest_feasible_threshold(backend, tmp_path):
+    model_dir = tmp_path / "tiny"
+    backend.model.save_pretrained(model_dir)
+    backend.tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "dev.jsonl"
+    main(["calibrate", "--model", str(model_dir), "--data", "arith:3:0", "--max-samples", "4", "--step", "2",
+          "--max-tokens", "6", "--temperature", "1.0", "--out", str(out)])  # fmt: skip
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["samples"] for r in records] == [4, 4, 4]  # the dev pass always draws the full budget
+    summary = json.loads(out.with_name("dev.jsonl.summary.json").read_text())
+    full, *grid = summary["points"]
+    assert full["threshold"] is None and len(grid) == 21
+    assert full["mean_tokens"] == sum(r["tokens"] for r in records) / 3
+    feasible = [p for p in summary["points"] if p["accuracy"] >= full["accuracy"] - 0.01]
+    assert summary["chosen"] in feasible
+    assert summary["chosen"]["mean_tokens"] == min(p["mean_tokens"] for p in feasible)

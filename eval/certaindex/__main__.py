@@ -1,24 +1,21 @@
 """``python -m eval.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
 
-Per-problem results go to ``OUT.partial`` as they finish (one JSON line each, after a header line with the
-options), so an interrupted run resumes where it stopped; when every problem is done ``OUT`` is written
-(records only, problem order, temp file + rename), the partial file removed, and a summary written beside it
-as ``OUT.summary.json``.
+Per-problem results are resumable (``records.run_resumable``: an interrupted run continues where it
+stopped); when every problem is done ``OUT`` holds the records and ``OUT.summary.json`` the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from .answers import answers_equal
 from .backends import Backend, Sampling, load_backend
 from .certainty import PRESETS, preset
 from .data import Problem, resolve_problems
+from .records import run_resumable
 
 EPILOG = """examples:
   python -m eval.certaindex cot --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
@@ -28,43 +25,6 @@ EPILOG = """examples:
   python -m eval.certaindex calibrate --model MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
   python -m eval.certaindex serve --model MODEL_DIR --port 8000     # OpenAI-compatible test server
 """
-
-
-def run_resumable(
-    problems: list[Problem], solve: Callable[[Problem], dict], out: Path, options: dict
-) -> list[dict]:
-    """Solve every problem not yet in ``out.partial``; return all records in problem order."""
-    from tqdm import tqdm
-
-    if out.exists():
-        raise FileExistsError(f"{out} exists; to resolve, choose another --out or delete it")
-    partial = out.with_name(out.name + ".partial")
-    done: dict[str, dict] = {}
-    if partial.exists():
-        lines = [json.loads(x) for x in partial.read_text().splitlines() if x.strip()]
-        if not lines or lines[0].get("options") != options:
-            raise ValueError(
-                f"{partial} was written with other options; to resolve, delete it or rerun with the same ones"
-            )
-        done = {r["id"]: r for r in lines[1:]}
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"options": options}) + "\n")
-    with partial.open("a") as sink:
-        for problem in tqdm(
-            [p for p in problems if p.id not in done], desc=out.name, initial=len(done), total=len(problems)
-        ):
-            record = {"id": problem.id, "reference": problem.answer, **solve(problem)}
-            record["correct"] = answers_equal(record["answer"], problem.answer)
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-            done[problem.id] = record
-    records = [done[p.id] for p in problems]
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, out)
-    partial.unlink()
-    return records
 
 
 def _summary(records: list[dict], keys: tuple[str, ...]) -> dict:
@@ -99,7 +59,7 @@ def _cmd_cot(args: argparse.Namespace, backend: Backend, problems: list[Problem]
             sampling=sampling,
             choices=len(p.choices or ()),
         )
-        return result.to_dict()
+        return {**result.to_dict(), "correct": answers_equal(result.answer, p.answer)}
 
     options = {**vars(args), "window": window, "chunk": chunk}
     records = run_resumable(problems, solve, args.out, _jsonable(options))
@@ -116,7 +76,7 @@ def _sc_records(
     sampling = Sampling(args.temperature, args.top_p, args.seed)
 
     def solve(p: Problem) -> dict:
-        return run_sc(
+        result = run_sc(
             backend,
             backend.chat_format(p.prompt_text()),
             max_samples=args.max_samples,
@@ -125,7 +85,8 @@ def _sc_records(
             max_tokens=args.max_tokens,
             sampling=sampling,
             choices=len(p.choices or ()),
-        ).to_dict()
+        )
+        return {**result.to_dict(), "correct": answers_equal(result.answer, p.answer)}
 
     return run_resumable(problems, solve, args.out, _jsonable({**vars(args), "threshold": threshold}))
 
