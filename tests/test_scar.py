@@ -132,6 +132,22 @@ def test_max_change_ranks_by_squared_change_per_byte_within_the_byte_budget(tmp_
     assert set(reopened.entries) == set(params) and reopened.credit == ckpt.credit
 
 
+def test_max_change_measures_change_in_adams_preconditioned_norm(tmp_path):
+    params = {n: torch.nn.Parameter(torch.zeros(2, 2)) for n in ("a", "b")}
+    opt = torch.optim.Adam(params.values())
+    for p, v in ((params["a"], 16.0), (params["b"], 1.0)):  # a has 4x the gradient RMS of b
+        opt.state[p].update(
+            step=torch.tensor(1.0), exp_avg=torch.zeros(2, 2), exp_avg_sq=torch.full((2, 2), v)
+        )
+    ckpt = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.5, every_steps=1), opt)
+    ckpt.maybe_save(0)
+    with torch.no_grad():
+        params["a"] += 1.0
+        params["b"] += 1.5  # moved more in plain norm, less in Adam's: 1.5 < 1.0 * 16 ** 0.25
+    assert ckpt.change_norms() == {"a": pytest.approx(4.0), "b": pytest.approx(3.0)}
+    assert ckpt.maybe_save(1) == ["a"]
+
+
 @pytest.mark.parametrize("select", ["max-change", "round-robin", "random"])
 def test_byte_budget_bounds_each_save_and_is_spent_exactly_over_time(tmp_path, select):
     model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))

@@ -5,7 +5,8 @@ Every ``every_steps`` steps ``maybe_save`` writes blocks worth ``fraction`` of t
 step as a full checkpoint.  The policy orders the blocks and the save writes the longest prefix of that order
 that fits the budget; what is left carries over to the next save (at most one block's bytes), so a large
 block is written late rather than never, and the long-run bytes per step match the budget exactly.
-Orders: SCAR's max-change, by ``||x - x_saved||^2`` per byte (see ``select``), round-robin, or random.
+Orders: SCAR's max-change, by ``||x - x_saved||^2`` per byte in the optimizer's metric (see ``select`` and
+``change_norms``), round-robin, or random.
 Blocks that have no valid saved copy (first save, a corrupt file) or whose copy lacks optimizer state the
 live block has now (saved before the optimizer's first step) are always written, outside the order.
 So the checkpoint always holds every block, each at the step it was last written.  ``recover(lost)`` reads
@@ -101,15 +102,23 @@ class RunningCheckpoint:
         return None if self.optimizer is None else self.optimizer.state[self.params[name]]
 
     def change_norms(self) -> dict[str, float]:
-        """``||x - x_saved||`` per block; infinite for blocks without a saved copy."""
+        """``||x - x_saved||`` per block in the optimizer's metric; infinite for blocks without a saved copy.
+
+        SCAR's bound is in the norm the iteration contracts in.  Plain SGD steps along the gradient: the
+        Euclidean norm.  An Adam-family optimizer (state ``exp_avg_sq`` = v) is gradient descent
+        preconditioned by ``1/sqrt(v)``, which contracts in the norm weighted by ``sqrt(v)``: each element's
+        change counts ``v ** (1/4)`` times, so a small move of a parameter with large gradients counts more."""
         norms = {}
         for b in self.blocks:
             saved = self.saved.get(b.id)
             if saved is None:
                 norms[b.id] = math.inf
                 continue
-            live = b.rows(self.params[b.name].detach()).to("cpu", torch.float32)
-            norms[b.id] = torch.linalg.vector_norm(live - saved.float()).item()
+            change = b.rows(self.params[b.name].detach()).to("cpu", torch.float32) - saved.float()
+            second_moment = (self._state(b.name) or {}).get("exp_avg_sq")
+            if isinstance(second_moment, torch.Tensor) and second_moment.shape == self.params[b.name].shape:
+                change *= b.rows(second_moment).to("cpu", torch.float32).pow(0.25)
+            norms[b.id] = torch.linalg.vector_norm(change).item()
         return norms
 
     def block_bytes(self) -> dict[str, int]:
