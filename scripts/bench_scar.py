@@ -1,24 +1,29 @@
 """Benchmark of SCAR partial recovery: iteration cost of partial failures (numbers for the report, not a test).
 
-A trial trains a problem to a random failure step t_f (every strategy's checkpoint follows the same run),
-loses a random 25-50% of the parameter blocks (values and optimizer state zeroed) just before the save due
-at t_f, recovers each strategy's way from its own files (``distill.scar.RunningCheckpoint``), and trains on.
-The *iteration cost* is the number of extra steps until the loss is back to the uninterrupted run's loss at
-t_f (linearly interpolated between steps; a full rollback to step c costs exactly t_f - c).  Strategies, at
-equal checkpoint bytes (full every F steps vs fraction f every f*F steps):
+A trial trains a problem to a random failure step t_f (every strategy's checkpoint follows the same run; the
+first, complete save follows the first optimizer step, as in training), loses a random 25-50% of the
+parameter blocks (values and optimizer state zeroed) just before the save due at t_f, recovers each
+strategy's way from its own files (``distill.scar.RunningCheckpoint``), and trains on.  The *iteration cost*
+is the number of extra steps until the loss is back to the uninterrupted run's loss at t_f (linearly
+interpolated between steps; a full rollback to step c costs exactly t_f - c).  Strategies, at equal
+checkpoint bytes (full every F steps vs a byte budget of fraction f every f*F steps; the bytes/step column
+checks it):
 
   full+rollback      full checkpoint, every block and the optimizer rolled back (the traditional baseline)
   full+partial       full checkpoint, only the lost blocks restored
   scar-<select>      prioritized running checkpoint (max-change = SCAR; round-robin, random), partial recovery
 
 Problems: ``lsq``, full-batch least squares with heavy-ball momentum (convex, linear rate: the setting of
-SCAR's bound), 16 blocks whose feature scales spread over ``--spread`` decades (how unevenly blocks keep
-moving, which is what prioritizing exploits); ``swiftkv``, full-batch SwiftKV distillation
-(KL + MSE, AdamW) of a tiny random Llama's SwiftKV projections, row blocks.  Reduction = 1 - mean cost /
-mean cost of full+rollback, over the same trials; |delta| is the median norm of the recovered state minus the
-lost live state (SCAR's perturbation).
+SCAR's bound), 16 equal blocks whose feature scales spread over ``--spread`` decades (how unevenly blocks
+keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch SwiftKV distillation
+(KL + MSE, AdamW) of a tiny random Llama's SwiftKV projections, row blocks of unequal bytes.  Reduction =
+1 - mean cost / mean cost of full+rollback over the same trials, with a paired bootstrap 95% interval;
+|delta| is the median Euclidean norm of the recovered state minus the lost live state (SCAR's perturbation).
 
-    flock /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 20 --out scar.json
+    flock -s /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 200 \
+        --workdir /dev/shm --out out/bench/scar_lsq_spread2.json
+    flock -s /tmp/bench.lock python scripts/bench_scar.py --problems swiftkv --trials 12 \
+        --workdir /dev/shm --out out/bench/scar_swiftkv.json
 """
 
 from __future__ import annotations
