@@ -29,6 +29,13 @@ class SwiftKVOptions(_Section):
         None, ge=0, lt=1, description="fraction of layers that become SwiftKV layers"
     )
     group_size: int = Field(1, ge=1, description="AcrossKV group size g")
+    init: Literal["copy", "lstsq"] = Field(
+        "copy",
+        description="K/V projections of SwiftKV layers: copies/group means (the paper), or least-squares fits to "
+        "the teacher's keys/values on the first training rows (swiftkv.calibrate)",
+    )
+    init_rows: int = Field(32, ge=1, description="training rows (of data.seq_len tokens) for init: lstsq")
+    init_ridge: float = Field(1e-3, ge=0, description="ridge, relative to the mean feature energy")
 
     @model_validator(mode="after")
     def _one_of(self):

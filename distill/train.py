@@ -13,11 +13,13 @@ checkpointing), so its length does not depend on the number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +28,11 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from swiftkv.artifacts import write_json_atomic
+from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
@@ -51,38 +56,84 @@ def fingerprint(recipe: Recipe, num_processes: int) -> dict:
     return fields
 
 
-def load_model(recipe: Recipe, accelerator: Accelerator):
-    """The SwiftKV model in student mode.  A base source is first converted on disk into
+def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
+    """The SwiftKV checkpoint to start from.  A base source is first converted on disk into
     ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
     ``from_pretrained``, which also handles ZeRO-3 partitioned initialization."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = Path(recipe.model.source)
     config = read_config(source)
-    if "num_key_value_layers" not in config:
-        opts = recipe.model.swiftkv
-        if opts is None:
-            raise ValueError(
-                f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
+    if "num_key_value_layers" in config:
+        return source
+    opts = recipe.model.swiftkv
+    if opts is None:
+        raise ValueError(
+            f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
+        )
+    converted = Path(recipe.output_dir) / "converted"
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and not (converted / "config.json").is_file():
+            convert(
+                source,
+                converted,
+                num_key_value_layers=opts.num_key_value_layers,
+                swiftkv_fraction=opts.fraction,
+                group_size=opts.group_size,
+                force=True,
             )
-        converted = Path(recipe.output_dir) / "converted"
-        with accelerator.main_process_first():
-            if accelerator.is_main_process and not (converted / "config.json").is_file():
-                convert(
-                    source,
-                    converted,
-                    num_key_value_layers=opts.num_key_value_layers,
-                    swiftkv_fraction=opts.fraction,
-                    group_size=opts.group_size,
-                    force=True,
-                )
-        source = converted
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    return converted
+
+
+@contextlib.contextmanager
+def _whole_model_loading(accelerator: Accelerator) -> Iterator[None]:
+    """Let one process load a whole model under ZeRO-3, whose partitioned init (active while transformers
+    holds the DeepSpeed config) is collective and would wait for the other ranks forever."""
+    dschf = getattr(accelerator.state.deepspeed_plugin, "dschf", None)
+    if dschf is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(dschf)
+
+
+def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, rows: dict) -> Path:
+    """With ``model.swiftkv.init: lstsq``, ``output_dir/initialized``: the converted checkpoint with its K/V
+    projections fitted to the teacher's keys/values on the first training rows (``swiftkv.calibrate``), made
+    once by the main process (outside ZeRO-3 partitioning) and loaded by every rank."""
+    opts = recipe.model.swiftkv
+    if opts is None or opts.init == "copy" or source != Path(recipe.output_dir) / "converted":
+        return source
+    initialized = Path(recipe.output_dir) / "initialized"
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and not (initialized / "config.json").is_file():
+            with _whole_model_loading(accelerator):
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, recipe.model.dtype))
+            n, batch = opts.init_rows, recipe.train.micro_batch_size
+            batches = (
+                {k: rows[k][i : min(i + batch, n)] for k in ("input_ids", "position_ids")}
+                for i in range(0, min(n, len(rows["input_ids"])), batch)
+            )
+            stats = fit_swiftkv_kv(model, batches, opts.init_ridge)
+            accelerator.print(f"least-squares K/V init: {stats}")
+            save_pretrained_swiftkv(
+                model,
+                initialized,
+                tokenizer=AutoTokenizer.from_pretrained(source),
+                force=True,
+                provenance={"stage": "distill.init", "method": "lstsq", "source": str(source), **stats},
+            )
+    return initialized
+
+
+def load_model(recipe: Recipe, source: Path):
+    """The SwiftKV model in student mode."""
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=getattr(torch, recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
     )
     model.set_mode("student")
-    return model, tokenizer
+    return model
 
 
 def select_trainable(model, recipe: Recipe):
@@ -166,10 +217,15 @@ def setup(recipe: Recipe) -> Run:
         ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)
     out = Path(recipe.output_dir)
-    model, tokenizer = load_model(recipe, accelerator)
-    model = select_trainable(model, recipe)
+    source = converted_source(recipe, accelerator)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     with accelerator.main_process_first():
-        train_rows, eval_rows = build_datasets(recipe.data, tokenizer, model.config.max_position_embeddings)
+        train_rows, eval_rows = build_datasets(
+            recipe.data, tokenizer, read_config(source).get("max_position_embeddings")
+        )
+    model = select_trainable(
+        load_model(recipe, initialized_source(recipe, accelerator, source, train_rows)), recipe
+    )
     keys = ("input_ids", "position_ids", "loss_mask")
     train_loader = DataLoader(
         TensorDataset(*(train_rows[k] for k in keys)),

@@ -23,10 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def write_recipe(tmp_path: Path, model: Path, data: Path, out: Path, **train) -> Path:
+def write_recipe(tmp_path: Path, model: Path, data: Path, out: Path, init: str = "copy", **train) -> Path:
     recipe = {
         "output_dir": str(out),
-        "model": {"source": str(model), "swiftkv": {"num_key_value_layers": 3, "group_size": 1}},
+        "model": {
+            "source": str(model),
+            "swiftkv": {"num_key_value_layers": 3, "group_size": 1, "init": init},
+        },
         "data": {"sources": [{"path": str(data)}], "seq_len": 64, "holdout": 0.1},
         "loss": {"chunk_tokens": 32},
         "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "constant"},
@@ -69,8 +72,12 @@ def held_out_kl_falls(out: Path) -> bool:
 def check_export(recipe_path: Path, model_dir: Path, out: Path) -> None:
     """Only SwiftKV weights changed; the exported model reproduces the in-memory held-out metrics."""
     exported = load_file(out / "model" / "model.safetensors")
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    start = to_swiftkv(base, 3, 1).state_dict()
+    start = to_swiftkv(AutoModelForCausalLM.from_pretrained(model_dir), 3, 1).state_dict()
+    if (out / "initialized").is_dir():  # init: lstsq fitted the K/V projections before training
+        initialized = load_file(out / "initialized" / "model.safetensors")
+        fitted = {k for k in initialized if not torch.equal(initialized[k], start[k])}
+        assert fitted == {k for k in start if "k_proj_swiftkv" in k or "v_proj_swiftkv" in k}
+        start = initialized
     trainable = {k for k in exported if "swiftkv" in k}
     assert trainable and all(not torch.equal(exported[k], start[k]) for k in trainable)
     for k, v in exported.items():
@@ -118,8 +125,9 @@ def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_process_deepspeed(tiny_chat_model, chat_data, tmp_path, stage):
+    """ZeRO-3 also starts from the least-squares init, which the main process fits outside partitioning."""
     out = tmp_path / f"zero{stage}"
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, init="lstsq" if stage == 3 else "copy")
     run(
         [
             PY,
@@ -134,6 +142,7 @@ def test_two_process_deepspeed(tiny_chat_model, chat_data, tmp_path, stage):
     )
     steps = losses(out)
     assert len(steps) == 6 and held_out_kl_falls(out)
+    assert (out / "initialized").is_dir() == (stage == 3)
     check_export(recipe, tiny_chat_model, out)
 
 
