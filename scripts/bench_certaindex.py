@@ -81,9 +81,7 @@ def solve_sc(backend, p, i: int, args) -> dict:
     from eval.certaindex.sc import replay, run_sc
 
     def arm(r, seconds: float) -> dict:
-        return {"answer": r.answer, "correct": answers_equal(r.answer, p.answer), "tokens": r.tokens,
-                "samples": len(r.answers), "answers": r.answers, "certaindex": r.certaindex,
-                "seconds": seconds}  # fmt: skip
+        return {**r.to_dict(), "correct": answers_equal(r.answer, p.answer), "seconds": seconds}
 
     prompt = backend.chat_format(p.prompt_text())
     kwargs = dict(max_samples=args.sc_samples, step=args.sc_step, max_tokens=args.sc_max_tokens,
@@ -127,6 +125,33 @@ def sc_rows(records: list[dict], args) -> list[dict]:
     real = [r["seconds"] for r in adaptive if r["real_run"]]
     rows[1]["median_seconds"] = statistics.median(real) if real else None
     rows[1]["mean_samples"] = statistics.fmean(r["samples"] for r in adaptive)
+    return rows + sc_calibrated_rows(records, args) if len(records) >= 2 else rows
+
+
+def sc_calibrated_rows(records: list[dict], args) -> list[dict]:
+    """The threshold ``sc.calibrate`` picks on the first half of the problems (full-budget accuracy minus one
+    point), applied to the second half: the issue's calibrate-then-deploy use, without extra generation."""
+    from eval.certaindex.answers import answers_equal
+    from eval.certaindex.sc import ScResult, calibrate, replay
+
+    half = len(records) // 2
+    dev, test = records[:half], records[half:]
+    best, _ = calibrate(
+        [ScResult.from_dict(r["sc_full"]) for r in dev], [r["reference"] for r in dev], args.sc_step
+    )
+    full = [r["sc_full"] for r in test]
+    chosen = []
+    for r in test:
+        result = replay(ScResult.from_dict(r["sc_full"]), args.sc_step, best.threshold)
+        chosen.append(
+            {**result.to_dict(), "correct": answers_equal(result.answer, r["reference"]), "seconds": 0.0}
+        )
+    label = "full" if best.threshold is None else f">= {best.threshold}"
+    rows = [_arm(f"SC full, test half ({len(test)})", full),
+            _arm(f"SC dev-calibrated {label}, test half", chosen, full)]  # fmt: skip
+    rows[1]["median_seconds"] = None
+    rows[1]["mean_samples"] = statistics.fmean(r["samples"] for r in chosen)
+    rows[1]["dev_threshold"] = best.threshold
     return rows
 
 

@@ -100,11 +100,13 @@ def _cmd_calibrate(args: argparse.Namespace, backend: Backend, problems: list[Pr
     from .sc import ScResult, calibrate
 
     records = _sc_records(args, backend, problems, None)
-    fields = ("answer", "answers", "sample_tokens", "certaindex", "stopped_early")
-    runs = [ScResult(**{k: r[k] for k in fields}) for r in records]
-    grid = [round(0.05 * i, 2) for i in range(21)]
+    runs = [ScResult.from_dict(r) for r in records]
     best, points = calibrate(
-        runs, [r["reference"] for r in records], args.step, grid, args.target_accuracy, args.tolerance
+        runs,
+        [r["reference"] for r in records],
+        args.step,
+        target_accuracy=args.target_accuracy,
+        tolerance=args.tolerance,
     )
     print(f"{'threshold':>9} {'accuracy':>8} {'mean tokens':>11}")
     for p in points:

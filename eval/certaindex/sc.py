@@ -11,7 +11,7 @@ scores a whole grid of thresholds on a dev split from a single generation pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from .answers import answers_equal, extract_final_answer
 from .backends import DEFAULT_SAMPLING, Backend, Sampling
@@ -34,6 +34,11 @@ class ScResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "samples": len(self.answers), "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> ScResult:
+        """Inverse of ``to_dict`` (extra keys of a stored record are ignored)."""
+        return cls(**{f.name: record[f.name] for f in fields(cls)})
 
 
 def _stops(answers: Sequence[str], threshold: float | None, min_samples: int) -> tuple[bool, float]:
@@ -86,6 +91,10 @@ def replay(full: ScResult, step: int, threshold: float | None, min_samples: int 
     return ScResult(majority(answers), answers, full.sample_tokens[:n], trace, n < len(full.answers))
 
 
+THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(21))
+"""Grid that ``calibrate`` scores by default: 0, 0.05, ..., 1."""
+
+
 @dataclass(frozen=True)
 class Operating:
     """Accuracy and mean tokens of one threshold over a dev split (``threshold`` None = full budget)."""
@@ -99,7 +108,7 @@ def calibrate(
     runs: Sequence[ScResult],
     references: Sequence[str],
     step: int,
-    thresholds: Sequence[float],
+    thresholds: Sequence[float] = THRESHOLDS,
     target_accuracy: float | None = None,
     tolerance: float = 0.01,
     min_samples: int = 2,
