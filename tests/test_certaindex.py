@@ -35,6 +35,7 @@ def test_extract_probe_answer(probe_text, answer):
     [
         ("so \\boxed{3} then \\boxed{\\frac{1}{2}} end", "\\frac{1}{2}"),
         ("Step 1: 12 + 7 = 19\nThe answer is 19.", "19"),
+        ("So the answer is 5 * 5 = 25 marbles.", "25 marbles"),
         ("12 + 7 = 19 apples", "19"),
         ("no numbers here", ""),
         ("4 x 6 = 24, so 26 pens in total.\n\nThe answer is \\boxed{}.", "26"),  # empty box: fall back

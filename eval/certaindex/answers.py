@@ -45,8 +45,8 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
 def extract_final_answer(text: str, choices: int = 0) -> str:
-    """Answer of a finished chain of thought: the last ``\\boxed{}``, else "the answer is X", else the last
-    number; with ``choices`` > 0 (multiple choice), the last standalone option letter instead."""
+    """Answer of a finished chain of thought: the last ``\\boxed{}``, else "the answer is X" (right of its last
+    "="), else the last number; with ``choices`` > 0 (multiple choice), the last standalone option letter instead."""
     if choices:
         letters = "ABCDEFGHIJ"[:choices]
         found = re.findall(rf"\b([{letters}])\b", _last_boxed(text) or text)
@@ -55,8 +55,8 @@ def extract_final_answer(text: str, choices: int = 0) -> str:
     if boxed is not None:
         return boxed
     said = [a.strip() for a in _ANSWER_IS_RE.findall(text) if "\\boxed" not in a]
-    if said:
-        return said[-1]
+    if said:  # "the answer is 5 * 5 = 25 marbles": the result is what follows the last "="
+        return said[-1].rsplit("=", 1)[-1].strip()
     numbers = _NUMBER_RE.findall(text)
     return numbers[-1] if numbers else ""
 
