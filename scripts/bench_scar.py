@@ -20,7 +20,7 @@ keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch Swift
 1 - mean cost / mean cost of full+rollback over the same trials, with a paired bootstrap 95% interval;
 |delta| is the median Euclidean norm of the recovered state minus the lost live state (SCAR's perturbation).
 
-    flock -s /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 200 \
+    flock -s /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 100 --threads 1 \
         --workdir /dev/shm --out out/bench/scar_lsq_spread2.json
     flock -s /tmp/bench.lock python scripts/bench_scar.py --problems swiftkv --trials 12 \
         --workdir /dev/shm --out out/bench/scar_swiftkv.json
@@ -252,9 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         help="where the checkpoints go (default: system temp; /dev/shm skips disk fsyncs)",
     )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 is faster for lsq on a busy machine)"
+    )
     parser.add_argument("--out", type=Path, help="write the rows and summary as JSON")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in args.problems:
