@@ -83,8 +83,16 @@ def check_export(recipe_path: Path, model_dir: Path, out: Path) -> None:
     for k, v in exported.items():
         if k not in trainable:
             assert torch.equal(v, start[k]), f"{k} changed"
+    kl, top1 = held_out_metrics(recipe_path, out / "model")
+    final = json.loads((out / "final_metrics.json").read_text())
+    assert abs(final["eval_kl"] - kl) < 1e-4
+    assert abs(final["eval_top1_agreement"] - top1) < 1e-6
+
+
+def held_out_metrics(recipe_path: Path, model_dir: Path) -> tuple[float, float]:
+    """Held-out KL(teacher || student) and top-1 agreement of a SwiftKV checkpoint, as the trainer counts them."""
     recipe = load_recipe(recipe_path)
-    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     _, held = build_datasets(recipe.data, AutoTokenizer.from_pretrained(model_dir))
     objective = DistillationObjective(model, recipe.loss).eval()
     with torch.no_grad():
@@ -94,9 +102,7 @@ def check_export(recipe_path: Path, model_dir: Path, out: Path) -> None:
             )["metrics"]
             for i in range(0, len(held["input_ids"]), 2)
         )
-    final = json.loads((out / "final_metrics.json").read_text())
-    assert abs(final["eval_kl"] - sums[0].item() / sums[2].item()) < 1e-4
-    assert abs(final["eval_top1_agreement"] - sums[1].item() / sums[2].item()) < 1e-6
+    return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item()
 
 
 def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path):
@@ -141,8 +147,12 @@ def test_two_process_deepspeed(tiny_chat_model, chat_data, tmp_path, stage):
         ]
     )
     steps = losses(out)
-    assert len(steps) == 6 and held_out_kl_falls(out)
-    assert (out / "initialized").is_dir() == (stage == 3)
+    assert len(steps) == 6
+    if stage == 3:  # the fit alone removes most of the KL the copy init has; training then goes on from there
+        assert held_out_metrics(recipe, out / "converted")[0] > 3 * records(out)[0]["eval_kl"]
+        assert json.loads((out / "final_metrics.json").read_text())["eval_kl"] < records(out)[0]["eval_kl"]
+    else:
+        assert not (out / "initialized").exists() and held_out_kl_falls(out)
     check_export(recipe, tiny_chat_model, out)
 
 
