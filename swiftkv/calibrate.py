@@ -26,9 +26,9 @@ Batch = Mapping[str, torch.Tensor]  # input_ids, and optionally position_ids / a
 class _Moments:
     """Running H^T H and H^T Y (float64) of a least-squares problem with shared inputs H."""
 
-    def __init__(self, features: int, bias: bool) -> None:
+    def __init__(self, features: int, bias: bool, device: torch.device) -> None:
         self.bias = bias
-        self.hth = torch.zeros(features + bias, features + bias, dtype=torch.float64)
+        self.hth = torch.zeros(features + bias, features + bias, dtype=torch.float64, device=device)
         self.hty: dict[str, torch.Tensor] = {}
         self.tokens = 0
 
@@ -46,7 +46,7 @@ class _Moments:
 
     def solve(self, ridge: float) -> dict[str, torch.Tensor]:
         """Ridge solutions ``{name: (in+bias, out)}``; lambda is ``ridge`` x the mean diagonal of H^T H."""
-        eye = torch.eye(len(self.hth), dtype=torch.float64)
+        eye = torch.eye(len(self.hth), dtype=torch.float64, device=self.hth.device)
         system = self.hth + ridge * self.hth.diagonal().mean() * eye
         return {name: torch.linalg.solve(system, hty) for name, hty in self.hty.items()}
 
@@ -57,7 +57,8 @@ def fit_swiftkv_kv(model: nn.Module, batches: Iterable[Batch], ridge: float = 1e
     keys/values on ``batches``; ``model`` is a SwiftKV causal LM (left in the mode it was in).
 
     Returns the calibration token count and the relative key/value error of the copy initialization and of
-    the fit on those tokens (sum over projections of ||h W^T - y||^2 / ||y||^2 averaged)."""
+    the fit on those tokens (sum over projections of ||h W^T - y||^2 / ||y||^2 averaged).  Runs on the
+    model's device; batches are moved there."""
     base = model.model
     config = model.config
     l, g, num_layers = config.num_key_value_layers, config.key_value_group_size, config.num_hidden_layers
@@ -65,7 +66,8 @@ def fit_swiftkv_kv(model: nn.Module, batches: Iterable[Batch], ridge: float = 1e
         return {"tokens": 0}
     leaders = base.kv_leaders
     has_bias = leaders[0].k_proj_swiftkv.bias is not None
-    moments = _Moments(config.hidden_size, has_bias)
+    device = leaders[0].k_proj_swiftkv.weight.device
+    moments = _Moments(config.hidden_size, has_bias, device)
     captured: dict[str, torch.Tensor] = {}
 
     def keep(name: str):
@@ -91,10 +93,8 @@ def fit_swiftkv_kv(model: nn.Module, batches: Iterable[Batch], ridge: float = 1e
     sums = {"target": 0.0, "copy": 0.0}
     try:
         for batch in batches:
-            base(
-                **{k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")},
-                use_cache=False,
-            )
+            inputs = ("input_ids", "position_ids", "attention_mask")
+            base(**{k: v.to(device) for k, v in batch.items() if k in inputs}, use_cache=False)
             h = moments.features(base.norm_swiftkv(captured["x_l"]))
             moments.add_inputs(h)
             for index, attn in enumerate(leaders):
