@@ -110,7 +110,9 @@ def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, r
         if accelerator.is_main_process and not (initialized / "config.json").is_file():
             with _whole_model_loading(accelerator):
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, recipe.model.dtype))
-            model.to(accelerator.device)  # the fit needs the whole model on one device (a GPU when there is one)
+            model.to(
+                accelerator.device
+            )  # the fit needs the whole model on one device (a GPU when there is one)
             n, batch = opts.init_rows, recipe.train.micro_batch_size
             batches = (
                 {k: rows[k][i : min(i + batch, n)] for k in ("input_ids", "position_ids")}
