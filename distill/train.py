@@ -56,6 +56,10 @@ def fingerprint(recipe: Recipe, num_processes: int) -> dict:
     return fields
 
 
+def _converted_dir(recipe: Recipe) -> Path:
+    return Path(recipe.output_dir) / "converted"
+
+
 def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
     """The SwiftKV checkpoint to start from.  A base source is first converted on disk into
     ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
@@ -69,7 +73,7 @@ def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
         raise ValueError(
             f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
         )
-    converted = Path(recipe.output_dir) / "converted"
+    converted = _converted_dir(recipe)
     with accelerator.main_process_first():
         if accelerator.is_main_process and not (converted / "config.json").is_file():
             convert(
@@ -98,21 +102,20 @@ def _whole_model_loading(accelerator: Accelerator) -> Iterator[None]:
         set_hf_deepspeed_config(dschf)
 
 
-def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, rows: dict) -> Path:
+def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, rows: dict, tokenizer) -> Path:
     """With ``model.swiftkv.init: lstsq``, ``output_dir/initialized``: the converted checkpoint with its K/V
     projections fitted to the teacher's keys/values on the first training rows (``swiftkv.calibrate``), made
     once by the main process (outside ZeRO-3 partitioning) and loaded by every rank."""
     opts = recipe.model.swiftkv
-    if opts is None or opts.init == "copy" or source != Path(recipe.output_dir) / "converted":
+    if opts is None or opts.init == "copy" or source != _converted_dir(recipe):  # keep a given SwiftKV source
         return source
     initialized = Path(recipe.output_dir) / "initialized"
     with accelerator.main_process_first():
         if accelerator.is_main_process and not (initialized / "config.json").is_file():
             with _whole_model_loading(accelerator):
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, recipe.model.dtype))
-            model.to(
-                accelerator.device
-            )  # the fit needs the whole model on one device (a GPU when there is one)
+            # the fit needs the whole model on one device (a GPU when there is one)
+            model.to(accelerator.device)
             n, batch = opts.init_rows, recipe.train.micro_batch_size
             batches = (
                 {k: rows[k][i : min(i + batch, n)] for k in ("input_ids", "position_ids")}
@@ -123,7 +126,7 @@ def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, r
             save_pretrained_swiftkv(
                 model,
                 initialized,
-                tokenizer=AutoTokenizer.from_pretrained(source),
+                tokenizer=tokenizer,
                 force=True,
                 provenance={"stage": "distill.init", "method": "lstsq", "source": str(source), **stats},
             )
@@ -227,7 +230,7 @@ def setup(recipe: Recipe) -> Run:
             recipe.data, tokenizer, read_config(source).get("max_position_embeddings")
         )
     model = select_trainable(
-        load_model(recipe, initialized_source(recipe, accelerator, source, train_rows)), recipe
+        load_model(recipe, initialized_source(recipe, accelerator, source, train_rows, tokenizer)), recipe
     )
     keys = ("input_ids", "position_ids", "loss_mask")
     train_loader = DataLoader(

@@ -71,14 +71,9 @@ def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
 
 
 def _ranker_args(ranker: Path, checkpoint: Path, config: dict) -> tuple[list[str], str]:
-    from .ranking.predictors import RANKER_FILE, RankerSpec
+    from .ranking.predictors import load_spec
 
-    spec_file = ranker / RANKER_FILE
-    if not spec_file.is_file():
-        raise FileNotFoundError(
-            f"{spec_file} not found; to resolve, run `python -m eval.ranking train` first"
-        )
-    spec = RankerSpec.model_validate_json(spec_file.read_text())
+    spec = load_spec(ranker)
     if spec.kind == "swiftkv-head" and spec.feature_dim != config.get("hidden_size"):
         raise ValueError(
             f"ranker {ranker} reads hidden states of size {spec.feature_dim} from {spec.target_model}, but "

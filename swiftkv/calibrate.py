@@ -95,14 +95,15 @@ def fit_swiftkv_kv(model: nn.Module, batches: Iterable[Batch], ridge: float = 1e
         for batch in batches:
             inputs = ("input_ids", "position_ids", "attention_mask")
             base(**{k: v.to(device) for k, v in batch.items() if k in inputs}, use_cache=False)
-            h = moments.features(base.norm_swiftkv(captured["x_l"]))
+            normed = base.norm_swiftkv(captured["x_l"])
+            h = moments.features(normed)
             moments.add_inputs(h)
             for index, attn in enumerate(leaders):
                 for kind in "kv":
                     group = range(l + index * g, min(l + (index + 1) * g, num_layers))
                     target = sum(captured[f"{kind}{j}"] for j in group) / len(group)
                     moments.add_targets(f"{kind}{index}", h, target)
-                    copy = getattr(attn, f"{kind}_proj_swiftkv")(base.norm_swiftkv(captured["x_l"]))
+                    copy = getattr(attn, f"{kind}_proj_swiftkv")(normed)
                     sums["target"] += target.double().square().sum().item()
                     sums["copy"] += (copy - target).double().square().sum().item()
     finally:

@@ -63,6 +63,19 @@ def reference(path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKE
     return out
 
 
+def run_cases(cases: list[dict], tmp: Path) -> list[dict]:
+    """All ``cases`` (see ``eval.vllm_plugin.run.run_case``) in one vLLM-venv process; their results in order."""
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp / "cases.json"), "--out",
+         str(tmp / "out.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
 def edit_checkpoint(src: Path, dst: Path, config=None, drop: str | None = None) -> Path:
     shutil.copytree(src, dst)
     if config:
@@ -100,15 +113,7 @@ def runs(tmp_path_factory):
     cases["spec"] = dict(
         model=str(g1), engine={"speculative_config": NGRAM}, prompts=SPEC_PROMPTS, max_tokens=12, rows=True
     )
-    (tmp / "cases.json").write_text(json.dumps(list(cases.values())))
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp / "cases.json"), "--out",
-         str(tmp / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = dict(zip(cases, json.loads((tmp / "out.json").read_text()), strict=True))
+    results = dict(zip(cases, run_cases(list(cases.values()), tmp), strict=True))
     refs = {
         "g1": reference(g1, "student"),
         "g3": reference(g3, "student"),
@@ -170,17 +175,7 @@ def test_smollm2_student_equals_transformers_with_and_without_prefix_cache(smoll
         dict(model=str(m), engine=engine, prompts=prompts, max_tokens=6) for m in (smollm2, teacher, student)
     ]  # and the student with the prefix cache, twice: the second pass prefills from cached blocks
     cases.append(dict(cases[-1], engine={**engine, "enable_prefix_caching": True}, repeat=2))
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp_path / "cases.json"), "--out",
-         str(tmp_path / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stock, as_teacher, as_student, cached = (
-        r["tokens"] for r in json.loads((tmp_path / "out.json").read_text())
-    )
+    stock, as_teacher, as_student, cached = (r["tokens"] for r in run_cases(cases, tmp_path))
     assert as_teacher == stock
     expected = reference(student, "student", prompts, 6)
     assert as_student == [expected] and cached == [expected, expected]

@@ -178,12 +178,7 @@ class Ranker:
         from safetensors.torch import load_file
 
         path = Path(path)
-        spec_file = path / RANKER_FILE
-        if not spec_file.is_file():
-            raise FileNotFoundError(
-                f"{spec_file} not found; to resolve, run `python -m eval.ranking train` first"
-            )
-        self.spec = RankerSpec.model_validate_json(spec_file.read_text())
+        self.spec = load_spec(path)
         if self.spec.kind == "small-lm":
             self.tokenizer, self.model = load_small_lm(path, self.spec.outputs)
             self.model.eval()
@@ -216,6 +211,16 @@ class Ranker:
                 self.spec.target_model, self.spec.layer, self.spec.max_prompt_tokens
             )
         return to_scores(self.spec, self.head(self._features(prompts, batch_size, progress))).numpy()
+
+
+def load_spec(ranker_dir: str | os.PathLike) -> RankerSpec:
+    """The ``ranker.json`` of an exported ranker, with a one-line error when there is none."""
+    spec_file = Path(ranker_dir) / RANKER_FILE
+    if not spec_file.is_file():
+        raise FileNotFoundError(
+            f"{spec_file} not found; to resolve, run `python -m eval.ranking train` first"
+        )
+    return RankerSpec.model_validate_json(spec_file.read_text())
 
 
 def save_spec(out_dir: Path, spec: RankerSpec) -> None:
