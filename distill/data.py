@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from swiftkv.assets import HELDOUT_START, resolve_data_path, to_messages
+
 from .recipe import DataSection, DataSource
-from .sharegpt import resolve_data_path, to_messages
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -45,6 +46,8 @@ def load_source(source: DataSource):
         raise
     except Exception as e:  # network, hub or parse failures from datasets
         raise DataError(f"could not load data source {source.path!r}: {str(e).splitlines()[0]}") from None
+    if source.path == "sharegpt":  # the embedded set's train split only: the held-out part is for evaluation
+        ds = ds.select(range(min(HELDOUT_START, len(ds))))
     if source.max_samples is not None:
         ds = ds.select(range(min(source.max_samples, len(ds))))
     return ds

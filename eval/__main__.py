@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
     )
     serve.add_argument("checkpoint", type=Path)
-    serve.add_argument("--suffix-cache", type=Path, help="from `python -m eval.suffix build`")
-    serve.add_argument("--ranker", type=Path, help="from `python -m eval.ranking train`")
+    serve.add_argument("--suffix-cache", type=Path, help="from `python -m eval.serving.suffix build`")
+    serve.add_argument("--ranker", type=Path, help="from `python -m eval.serving.ranking train`")
     serve.add_argument("--cpu", action="store_true", help="add vLLM CPU backend settings")
     serve.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                 json.dumps(evaluate_quality(args.model, args.conversations, n_prompts=args.prompts), indent=2)
             )
         elif args.command == "vllm-args":
-            from .vllm_args import serve_command
+            from .serving.vllm.args import serve_command
 
             print(serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell())
         else:

@@ -1,6 +1,6 @@
 """Quality of a SwiftKV checkpoint against its own teacher (the same weights in original mode).
 
-On held-out ShareGPT conversations (from the end of the file; the recipes train on its start): KL(teacher ||
+On the held-out split of the embedded ShareGPT (``swiftkv.assets``; training never reads it): KL(teacher ||
 student) at T=1 and top-1 agreement over assistant tokens, teacher and student perplexity on those tokens, and
 greedy-generation agreement on held-out prompts (the share of generated tokens before the first divergence).
 A non-SwiftKV checkpoint is its own teacher: KL 0, agreement 1.
@@ -15,17 +15,15 @@ from torch import nn
 
 from distill.data import pack, render_conversation
 from distill.objective import agreement_metrics
-from distill.sharegpt import iter_conversations
+from swiftkv.assets import iter_conversations
 
 from .tasks import held_out_pairs
 
 
-def held_out_rows(tokenizer, n_conversations: int = 32, seq_len: int = 512, skip_from_start: int = 5000):
+def held_out_rows(tokenizer, n_conversations: int = 32, seq_len: int = 512):
     """Packed rows (input_ids, position_ids, loss_mask) of held-out conversations, assistant tokens counted."""
     samples = []
-    for i, messages in enumerate(iter_conversations("sharegpt")):
-        if i < skip_from_start:
-            continue
+    for messages in iter_conversations("sharegpt", split="heldout"):
         if any(m["role"] == "assistant" for m in messages):
             samples.append(render_conversation(messages, tokenizer))
         if len(samples) >= n_conversations:

@@ -9,8 +9,8 @@ user cache, so the tasks are written on demand into a folder that both the in-pr
 * ``sharegpt_mc``: response selection, a 4-way multiple choice: which of four assistant replies answers this
   user turn (the true one and three replies to other conversations, fixed by a seed).
 
-Held-out conversations come from the end of the ShareGPT file; the distillation recipes read from its start,
-so the two never overlap.
+Documents come from the held-out split of the embedded ShareGPT (``swiftkv.assets``: the end of the file); the
+recipes, calibration and traces read only its train split, so the two never overlap.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from distill.sharegpt import iter_conversations
+from swiftkv.assets import iter_conversations
 
 TASKS = ("sharegpt_ppl", "sharegpt_mc")
 _PPL = """task: sharegpt_ppl
@@ -51,11 +51,11 @@ metadata: {{version: 1.0}}
 """
 
 
-def held_out_pairs(n: int, skip_from_start: int = 5000, max_chars: int = 600) -> list[tuple[str, str]]:
-    """(first user turn, first assistant reply) pairs from conversations after ``skip_from_start``."""
+def held_out_pairs(n: int, max_chars: int = 600) -> list[tuple[str, str]]:
+    """(first user turn, first assistant reply) pairs from the held-out split."""
     pairs = []
-    for i, messages in enumerate(iter_conversations("sharegpt")):
-        if i < skip_from_start or len(messages) < 2 or messages[1]["role"] != "assistant":
+    for messages in iter_conversations("sharegpt", split="heldout"):
+        if len(messages) < 2 or messages[1]["role"] != "assistant":
             continue
         prompt, reply = messages[0]["content"].strip(), messages[1]["content"].strip()
         if 20 <= len(prompt) <= max_chars and 20 <= len(reply):

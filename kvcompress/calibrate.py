@@ -12,7 +12,7 @@ optimum for the data distribution while a weight SVD assumes isotropic inputs.  
 --compare-bases`` measures both on held-out text.
 
 Calibration data defaults to the first ``samples`` ShareGPT conversations (chat template applied,
-truncated to ``max_length`` tokens); the benchmark evaluates on conversations after ``HELDOUT_OFFSET``.
+truncated to ``max_length`` tokens) from the train split; the benchmark evaluates on the held-out split.
 Progress is checkpointed every ``checkpoint_every`` samples next to the output, so an interrupted run
 resumes where it stopped.
 """
@@ -36,8 +36,6 @@ from .factors import (
     save_factors,
 )
 from .policy import Policy
-
-HELDOUT_OFFSET = 10_000
 
 
 class MomentLayer(DynamicLayer):
@@ -109,9 +107,9 @@ def sharegpt_sequences(
     tokenizer, data: str, samples: int, max_length: int, offset: int = 0
 ) -> Iterator[torch.Tensor]:
     """Chat-formatted ShareGPT conversations as ``(1, n)`` token tensors, truncated to ``max_length``."""
-    from distill.sharegpt import iter_conversations
+    from swiftkv.assets import iter_conversations
 
-    for i, messages in enumerate(iter_conversations(data, limit=offset + samples)):
+    for i, messages in enumerate(iter_conversations(data, limit=offset + samples, split="train")):
         if i < offset:
             continue
         text = (
@@ -143,8 +141,8 @@ def calibrate(
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from distill.sharegpt import resolve_data_path
     from swiftkv.artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
+    from swiftkv.assets import resolve_data_path
 
     if samples < 1 or max_length < 2:
         raise ValueError(

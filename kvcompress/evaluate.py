@@ -97,12 +97,12 @@ def fp16_kv_bytes(config, tokens: int, batch: int = 1) -> int:
 def long_sequences(
     tokenizer, length: int, count: int, offset: int, data: str = "sharegpt"
 ) -> Iterator[torch.Tensor]:
-    """``count`` sequences of exactly ``length`` tokens: chat-formatted conversations after ``offset``, joined."""
-    from distill.sharegpt import iter_conversations
+    """``count`` sequences of exactly ``length`` tokens: held-out conversations after ``offset``, joined."""
+    from swiftkv.assets import iter_conversations
 
     buffer: list[int] = []
     made = 0
-    for messages in itertools.islice(iter_conversations(data), offset, None):
+    for messages in itertools.islice(iter_conversations(data, split="heldout"), offset, None):
         text = tokenizer.apply_chat_template(messages, tokenize=False)
         buffer += tokenizer(text, add_special_tokens=False).input_ids
         while len(buffer) >= length and made < count:

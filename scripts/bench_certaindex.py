@@ -1,6 +1,6 @@
 """Certaindex token savings against full-budget baselines measured in the same run.
 
-Problems are arithmetic word problems generated with a seed (``eval.certaindex.data.arithmetic``): small
+Problems are arithmetic word problems generated with a seed (``eval.serving.certaindex.data.arithmetic``): small
 enough that SmolLM2-135M solves some, with exact integer answers.  Per problem, interleaved:
 
 * CoT: the full-budget chain (no probes) and the early-exit chain (probe after each chunk, exit rule of the
@@ -13,7 +13,7 @@ enough that SmolLM2-135M solves some, with exact integer answers.  Per problem, 
 Reports accuracy, tokens per problem (CoT early exit: main + probe tokens), the token ratio against the
 baseline, per-problem medians and how many answers flipped right->wrong / wrong->right.  Tokens are counts,
 not timings; wall seconds are shown for information only.  Per-problem records are appended to
-``OUT.jsonl.partial`` as each problem finishes (``eval.certaindex.records``), so rerunning the same command
+``OUT.jsonl.partial`` as each problem finishes (``eval.serving.certaindex.records``), so rerunning the same command
 after an interruption continues where it stopped.
 """
 
@@ -50,10 +50,10 @@ def _arm(name: str, records: list[dict], baseline: list[dict] | None = None) -> 
 
 def solve_cot(backend, p, i: int, args) -> dict:
     """One problem's full-budget and early-exit chains (same chunk seeds, so early is a prefix of full)."""
-    from eval.certaindex.answers import answers_equal
-    from eval.certaindex.backends import Sampling
-    from eval.certaindex.certainty import preset
-    from eval.certaindex.cot import run_cot
+    from eval.serving.certaindex.answers import answers_equal
+    from eval.serving.certaindex.backends import Sampling
+    from eval.serving.certaindex.certainty import preset
+    from eval.serving.certaindex.cot import run_cot
 
     window, chunk = preset(args.preset)
     prompt = backend.chat_format(p.prompt_text())
@@ -76,9 +76,9 @@ def solve_cot(backend, p, i: int, args) -> dict:
 def solve_sc(backend, p, i: int, args) -> dict:
     """One problem's full-budget SC and its certaindex-adaptive prefix (replayed; run for real and checked
     against the replay on the first ``--sc-real`` problems)."""
-    from eval.certaindex.answers import answers_equal
-    from eval.certaindex.backends import Sampling
-    from eval.certaindex.sc import replay, run_sc
+    from eval.serving.certaindex.answers import answers_equal
+    from eval.serving.certaindex.backends import Sampling
+    from eval.serving.certaindex.sc import replay, run_sc
 
     def arm(r, seconds: float) -> dict:
         return {**r.to_dict(), "correct": answers_equal(r.answer, p.answer), "seconds": seconds}
@@ -131,8 +131,8 @@ def sc_rows(records: list[dict], args) -> list[dict]:
 def sc_calibrated_rows(records: list[dict], args) -> list[dict]:
     """The threshold ``sc.calibrate`` picks on the first half of the problems (full-budget accuracy minus one
     point), applied to the second half: the issue's calibrate-then-deploy use, without extra generation."""
-    from eval.certaindex.answers import answers_equal
-    from eval.certaindex.sc import ScResult, calibrate, replay
+    from eval.serving.certaindex.answers import answers_equal
+    from eval.serving.certaindex.sc import ScResult, calibrate, replay
 
     half = len(records) // 2
     dev, test = records[:half], records[half:]
@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from eval.certaindex.data import arithmetic
-    from eval.certaindex.hf_backend import HFBackend
-    from eval.certaindex.records import run_resumable
+    from eval.serving.certaindex.data import arithmetic
+    from eval.serving.certaindex.hf_backend import HFBackend
+    from eval.serving.certaindex.records import run_resumable
     from swiftkv.artifacts import write_json_atomic
 
     torch.set_num_threads(args.threads)

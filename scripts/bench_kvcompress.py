@@ -1,6 +1,6 @@
 """Benchmark TALE against simple KV-cache baselines on held-out ShareGPT text (memory / quality / latency).
 
-Quality: each held-out sequence (ShareGPT conversations after kvcompress.calibrate.HELDOUT_OFFSET, chat
+Quality: each held-out sequence (the held-out split of the embedded ShareGPT, chat
 formatted and joined) is split into --prefix tokens (prefilled, then compressed) and a continuation fed in
 --chunk-token steps; perplexity, KL to the uncompressed model and top-1 agreement are measured on the
 continuation.  Memory: bytes the cache really holds at the end, as a ratio to an fp16 KV cache of the same
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from kvcompress.calibrate import HELDOUT_OFFSET, accumulate
+from kvcompress.calibrate import accumulate
 from kvcompress.evaluate import (
     compare,
     continuation_logits,
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def quality(model, tok, factors, args) -> dict[str, dict]:
     methods = args.methods.split(",")
-    seqs = list(long_sequences(tok, args.prefix + args.continuation, args.samples, HELDOUT_OFFSET))
+    seqs = list(long_sequences(tok, args.prefix + args.continuation, args.samples, 0))
     totals = {
         m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
         for m in methods
@@ -107,7 +107,7 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
     out: dict[str, dict] = {}
     methods = args.latency_methods.split(",")
     for ctx in [int(c) for c in args.latency_contexts.split(",") if c]:
-        ids = next(long_sequences(tok, ctx, 1, HELDOUT_OFFSET + 5000))
+        ids = next(long_sequences(tok, ctx, 1, 1000))
         steps = {m: [] for m in methods}
         for r in range(args.repeats):
             for m in methods:  # interleaved A/B: every repeat runs every method once
@@ -127,7 +127,7 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
 
 def compare_bases(model, tok, factors, ranks=(16, 32, 48)) -> dict[str, dict]:
     """Held-out energy each basis loses at each rank, averaged over layers and heads."""
-    moments = accumulate(model, long_sequences(tok, 512, 4, HELDOUT_OFFSET + 2000))
+    moments = accumulate(model, long_sequences(tok, 512, 4, 500))
     heads = factors.meta["num_key_value_heads"]
     rows: dict[str, dict] = {}
     for idx, (km, vm, n) in moments.layers.items():

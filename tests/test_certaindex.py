@@ -6,12 +6,25 @@ import math
 
 import pytest
 
-from eval.certaindex.answers import answers_equal, extract_final_answer, extract_probe_answer, is_hesitant
-from eval.certaindex.backends import Completion, Sampling
-from eval.certaindex.certainty import PRESETS, Probe, certaindex, cluster, majority, preset, should_exit
-from eval.certaindex.cot import run_cot
-from eval.certaindex.data import arithmetic, load_problems
-from eval.certaindex.sc import calibrate, replay, run_sc
+from eval.serving.certaindex.answers import (
+    answers_equal,
+    extract_final_answer,
+    extract_probe_answer,
+    is_hesitant,
+)
+from eval.serving.certaindex.backends import Completion, Sampling
+from eval.serving.certaindex.certainty import (
+    PRESETS,
+    Probe,
+    certaindex,
+    cluster,
+    majority,
+    preset,
+    should_exit,
+)
+from eval.serving.certaindex.cot import run_cot
+from eval.serving.certaindex.data import arithmetic, load_problems
+from eval.serving.certaindex.sc import calibrate, replay, run_sc
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,14 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eval.certaindex.__main__ import main
-from eval.certaindex.answers import PROBE_SUFFIX
-from eval.certaindex.backends import Sampling
-from eval.certaindex.cot import run_cot
-from eval.certaindex.hf_backend import HFBackend
-from eval.certaindex.http_backend import OpenAIBackend
-from eval.certaindex.sc import replay, run_sc
-from eval.certaindex.server import make_server
+from eval.serving.certaindex.__main__ import main
+from eval.serving.certaindex.answers import PROBE_SUFFIX
+from eval.serving.certaindex.backends import Sampling
+from eval.serving.certaindex.cot import run_cot
+from eval.serving.certaindex.hf_backend import HFBackend
+from eval.serving.certaindex.http_backend import OpenAIBackend
+from eval.serving.certaindex.sc import replay, run_sc
+from eval.serving.certaindex.server import make_server
 
 GREEDY = Sampling(temperature=0.0)
 SMOLLM2 = Path(os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct"))

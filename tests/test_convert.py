@@ -141,24 +141,31 @@ def test_refusals_leave_no_output(tiny_llama_dir, tmp_path, capsys, args, prepar
     if prepare:
         prepare(tiny_llama_dir)
     dst = tmp_path / "out"
-    with pytest.raises(SystemExit) as e:
-        cli(["convert", str(tiny_llama_dir), str(dst), *args])
-    assert message in str(e.value) and "\n" not in str(e.value)
+    assert message in refused(capsys, ["convert", str(tiny_llama_dir), str(dst), *args])
     assert not dst.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_refuses_missing_source_existing_destination_and_swiftkv_source(tiny_llama_dir, tmp_path):
-    with pytest.raises(SystemExit, match="is not a directory"):
-        cli(["convert", str(tmp_path / "nope"), str(tmp_path / "a"), "--swiftkv-fraction", "0.5"])
+def refused(capsys, argv: list[str]) -> str:
+    """Run the CLI on bad input: exit status 2, nothing on stdout, one ``error: ...`` line on stderr."""
+    capsys.readouterr()
+    assert cli(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_refuses_missing_source_existing_destination_and_swiftkv_source(tiny_llama_dir, tmp_path, capsys):
+    argv = ["convert", str(tmp_path / "nope"), str(tmp_path / "a"), "--swiftkv-fraction", "0.5"]
+    assert "does not exist" in refused(capsys, argv)
     dst = tmp_path / "swift"
     cli(["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.5"])
-    with pytest.raises(SystemExit, match="is not empty; to resolve, pass --force"):
-        cli(["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.25"])
+    argv = ["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.25"]
+    assert "is not empty; to resolve, pass --force" in refused(capsys, argv)
     assert json.loads((dst / "config.json").read_text())["num_key_value_layers"] == 3  # untouched
     cli(["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.25", "--force"])
     assert json.loads((dst / "config.json").read_text())["num_key_value_layers"] == 4
-    with pytest.raises(SystemExit, match="already a SwiftKV checkpoint"):
-        cli(["convert", str(dst), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"])
+    argv = ["convert", str(dst), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"]
+    assert "already a SwiftKV checkpoint" in refused(capsys, argv)
     assert not (tmp_path / "b").exists()
 
 
@@ -190,7 +197,7 @@ def test_smollm2_convert_and_generate(smollm2, tmp_path):
     assert full[0, n - 1 :].tolist() == outs["student"][0, n:].tolist()  # cached skip-ahead = full pass
 
 
-def test_mistral_style_checkpoint_maps_onto_llama(tmp_path):
+def test_mistral_style_checkpoint_maps_onto_llama(tmp_path, capsys):
     from conftest import TINY
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -206,8 +213,8 @@ def test_mistral_style_checkpoint_maps_onto_llama(tmp_path):
         torch.testing.assert_close(model(ids).logits, base(ids).logits, atol=1e-5, rtol=0)
     config = json.loads((tmp_path / "mistral" / "config.json").read_text())
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
-    with pytest.raises(SystemExit, match="sliding window are not supported"):
-        cli(["convert", str(tmp_path / "mistral"), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"])
+    argv = ["convert", str(tmp_path / "mistral"), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"]
+    assert "sliding window are not supported" in refused(capsys, argv)
 
 
 def test_info_prints_layout_and_savings(tiny_llama_dir, tmp_path, capsys):

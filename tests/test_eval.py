@@ -17,7 +17,7 @@ from swiftkv.convert import convert
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory, smollm2):
-    from distill.sharegpt import sharegpt_path
+    from swiftkv.assets import sharegpt_path
 
     if not sharegpt_path().is_file():
         pytest.skip("ShareGPT not fetched; run `python scripts/fetch_assets.py sharegpt`")

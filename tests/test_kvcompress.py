@@ -247,16 +247,16 @@ def test_budget_sets_average_rank():
 def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distill.sharegpt import sharegpt_path
-    from kvcompress.calibrate import HELDOUT_OFFSET, sharegpt_sequences
+    from kvcompress.calibrate import sharegpt_sequences
     from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes, long_sequences
+    from swiftkv.assets import sharegpt_path
 
     if not sharegpt_path().is_file():
         pytest.skip("ShareGPT data not fetched; run `python scripts/fetch_assets.py sharegpt`")
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     factors = factors_from_model(model, sharegpt_sequences(tok, "sharegpt", 4, 192))
-    ids = next(long_sequences(tok, 640, 1, HELDOUT_OFFSET))
+    ids = next(long_sequences(tok, 640, 1, 0))
     ref = continuation_logits(model, ids, DynamicCache(config=model.config), 512, 64)
     enable_tale(model)
     cache = TaleCache(factors, SMOLLM2_POLICY, model.config, model=model)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from eval.ranking.__main__ import main
-from eval.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
-from eval.ranking.predictors import HiddenStateFeatures, Ranker
-from eval.ranking.traces import generate_traces, load_traces, split_traces
-from eval.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
+from eval.serving.ranking.__main__ import main
+from eval.serving.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
+from eval.serving.ranking.predictors import HiddenStateFeatures, Ranker
+from eval.serving.ranking.traces import generate_traces, load_traces, split_traces
+from eval.serving.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
 
 WORDS = ["short", "long", "tell", "me", "about", "cats", "dogs", "code", "please", "now", "why", "how"]
 SMOLLM2 = Path(os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct"))

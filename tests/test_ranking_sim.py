@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from eval.ranking.simulator import (
+from eval.serving.ranking.simulator import (
     CostModel,
     SimConfig,
     poisson_arrivals,

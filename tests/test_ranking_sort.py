@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from eval.ranking import multipivot as mp
+from eval.serving.ranking import multipivot as mp
 
 
 def _inputs(n: int, seed: int) -> dict[str, np.ndarray]:

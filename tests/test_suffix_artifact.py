@@ -8,9 +8,9 @@ import random
 import pytest
 from test_suffix_tree import expand
 
-from eval.suffix.__main__ import main
-from eval.suffix.artifact import META_FILE, TREE_FILE, load_cache, save_cache
-from eval.suffix.cache import SpecConfig, SuffixCache
+from eval.serving.suffix.__main__ import main
+from eval.serving.suffix.artifact import META_FILE, TREE_FILE, load_cache, save_cache
+from eval.serving.suffix.cache import SpecConfig, SuffixCache
 
 
 def word_tokenizer(words: int = 128, offset: int = 0):

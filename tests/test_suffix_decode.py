@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_base
 
-from eval.suffix.cache import SpecConfig, SuffixCache
-from eval.suffix.decode import speculative_generate
+from eval.serving.suffix.cache import SpecConfig, SuffixCache
+from eval.serving.suffix.decode import speculative_generate
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -85,7 +85,7 @@ def test_stops_at_eos_like_generate():
 def test_smollm2_self_refinement_equals_greedy(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eval.suffix.stages import chat_ids
+    from eval.serving.suffix.stages import chat_ids
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from eval.suffix.cache import SpecConfig, SuffixCache
-from eval.suffix.tree import SuffixTree
+from eval.serving.suffix.cache import SpecConfig, SuffixCache
+from eval.serving.suffix.tree import SuffixTree
 
 
 def brute_counts(seqs, depth: int) -> dict[tuple[int, ...], int]:

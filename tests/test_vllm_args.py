@@ -14,9 +14,9 @@ from conftest import tiny_base
 from test_suffix_artifact import filled_cache, word_tokenizer
 
 import swiftkv.convert
-from eval.ranking.predictors import RankerSpec, save_spec
-from eval.suffix.artifact import save_cache, vllm_speculative_config
-from eval.vllm_args import PRIORITY_SCALE, serve_command
+from eval.serving.ranking.predictors import RankerSpec, save_spec
+from eval.serving.suffix.artifact import save_cache, vllm_speculative_config
+from eval.serving.vllm.args import PRIORITY_SCALE, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

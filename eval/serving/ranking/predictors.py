@@ -218,7 +218,7 @@ def load_spec(ranker_dir: str | os.PathLike) -> RankerSpec:
     spec_file = Path(ranker_dir) / RANKER_FILE
     if not spec_file.is_file():
         raise FileNotFoundError(
-            f"{spec_file} not found; to resolve, run `python -m eval.ranking train` first"
+            f"{spec_file} not found; to resolve, run `python -m eval.serving.ranking train` first"
         )
     return RankerSpec.model_validate_json(spec_file.read_text())
 

@@ -1,4 +1,4 @@
-"""``python -m eval.ranking``: traces, train, evaluate, calibrate, simulate (thin argparse over the functions)."""
+"""``python -m eval.serving.ranking``: traces, train, evaluate, calibrate, simulate (thin argparse over the functions)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 from typing import Literal, get_args, get_origin
 
 EPILOG = """examples:
-  python -m eval.ranking traces MODEL out/traces --data sharegpt --n 2000 --max-new-tokens 512
-  python -m eval.ranking train out/traces out/ranker --kind swiftkv-head            # x_{L//2} of the traces' model
-  python -m eval.ranking train out/traces out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
-  python -m eval.ranking train out/traces out/ranker-cls --objective buckets         # classification baseline
-  python -m eval.ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
-  python -m eval.ranking calibrate MODEL out/cost.json                               # measured step times
-  python -m eval.ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
+  python -m eval.serving.ranking traces MODEL out/traces --data sharegpt --n 2000 --max-new-tokens 512
+  python -m eval.serving.ranking train out/traces out/ranker --kind swiftkv-head            # x_{L//2} of the traces' model
+  python -m eval.serving.ranking train out/traces out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
+  python -m eval.serving.ranking train out/traces out/ranker-cls --objective buckets         # classification baseline
+  python -m eval.serving.ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
+  python -m eval.serving.ranking calibrate MODEL out/cost.json                               # measured step times
+  python -m eval.serving.ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
 """
 
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .train import TrainConfig
 
     parser = argparse.ArgumentParser(
-        prog="python -m eval.ranking",
+        prog="python -m eval.serving.ranking",
         description="Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

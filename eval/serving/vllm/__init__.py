@@ -12,8 +12,8 @@ Importing this package imports neither vLLM nor torch; ``register()`` does, when
 from __future__ import annotations
 
 MODEL_CLASSES = {
-    "LlamaSwiftKVForCausalLM": "eval.vllm_plugin.llama:LlamaSwiftKVForCausalLM",
-    "Qwen2SwiftKVForCausalLM": "eval.vllm_plugin.llama:Qwen2SwiftKVForCausalLM",
+    "LlamaSwiftKVForCausalLM": "eval.serving.vllm.llama:LlamaSwiftKVForCausalLM",
+    "Qwen2SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen2SwiftKVForCausalLM",
 }
 
 

@@ -142,7 +142,7 @@ def save_cache(
             "tree_sha256": sha256_file(tmp / TREE_FILE),
         }
         write_json_atomic(tmp / META_FILE, meta)
-        write_provenance(tmp, "eval.suffix build", **provenance)
+        write_provenance(tmp, "eval.serving.suffix build", **provenance)
     return Path(out)
 
 
@@ -151,7 +151,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(
-            f"{meta_path} not found; to resolve, build one with `python -m eval.suffix build`"
+            f"{meta_path} not found; to resolve, build one with `python -m eval.serving.suffix build`"
         )
     try:
         meta = json.loads(meta_path.read_text())

@@ -4,7 +4,7 @@ Runs inside the vLLM venv (``scripts/setup_vllm_cpu.sh``).  The defaults are the
 small CPU machine: eager mode, an explicit KV-cache size (the default memory fraction fails), no tokenizer
 when prompts are token ids (tiny random checkpoints have none).
 
-    python -m eval.vllm_plugin.run --model out/tiny-swiftkv --prompts '[[5, 6, 7], [8, 9]]' --max-tokens 8
+    python -m tests.vllm_cases --model out/tiny-swiftkv --prompts '[[5, 6, 7], [8, 9]]' --max-tokens 8
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m eval.vllm_plugin.run --model DIR --prompts '[[5, 6, 7]]' --max-tokens 8\n"
-        "  python -m eval.vllm_plugin.run --cases cases.json --out results.json   # several engines, one process",
+        epilog="examples:\n  python -m tests.vllm_cases --model DIR --prompts '[[5, 6, 7]]' --max-tokens 8\n"
+        "  python -m tests.vllm_cases --cases cases.json --out results.json   # several engines, one process",
     )
     parser.add_argument("--model", help="checkpoint directory")
     parser.add_argument("--prompts", help="JSON list of token-id lists")

@@ -40,7 +40,7 @@ def traces_file(path: str | os.PathLike) -> Path:
     file = path / TRACES_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
-            f"no traces at {file}; to resolve, run `python -m eval.ranking traces MODEL {path}` "
+            f"no traces at {file}; to resolve, run `python -m eval.serving.ranking traces MODEL {path}` "
             "or pass a JSONL with `prompt` and `output_len` per line"
         )
     return file
@@ -125,7 +125,7 @@ def generate_traces(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distill.sharegpt import iter_prompts
+    from swiftkv.assets import iter_prompts
 
     if n < 1 or max_new_tokens < 1 or batch_size < 1 or temperature <= 0:
         raise ValueError(
@@ -166,7 +166,9 @@ def generate_traces(
         messages = [{"role": "user", "content": prompt}]
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
-    prompts = ((p, ids) for p in iter_prompts(data) if len(ids := encode(p)) <= max_prompt_tokens)
+    prompts = (
+        (p, ids) for p in iter_prompts(data, split="train") if len(ids := encode(p)) <= max_prompt_tokens
+    )
     for _ in range(done):  # the same prompt stream every run: skip what is already on disk
         next(prompts)
     bar = tqdm(total=n, initial=done, desc="traces", unit="prompt")

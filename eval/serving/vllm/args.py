@@ -10,7 +10,7 @@ Everything is checked before anything is printed, so a command that prints is on
   ``arctic-inference``; vLLM cannot preload the built tree, so it starts empty and fills as it serves);
   the cache must have been built with this checkpoint's tokenizer;
 * a ranking predictor adds ``--scheduling-policy priority``: the client scores each prompt with
-  ``eval.ranking.predictors.Ranker`` and sends ``priority = -round(score * 1000)`` (vLLM serves lower
+  ``eval.serving.ranking.predictors.Ranker`` and sends ``priority = -round(score * 1000)`` (vLLM serves lower
   priority values first; our scores are higher for shorter outputs);
 * ``--cpu`` adds what vLLM's CPU backend needs (ENVIRONMENT.md): eager mode, an explicit KV-cache size and
   both cores.
@@ -47,20 +47,20 @@ class ServeCommand:
 def _tokenizer_fingerprint(checkpoint: Path) -> str:
     from transformers import AutoTokenizer
 
-    from .suffix.artifact import tokenizer_fingerprint
+    from ..suffix.artifact import tokenizer_fingerprint
 
     return tokenizer_fingerprint(AutoTokenizer.from_pretrained(checkpoint))
 
 
 def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
-    from .suffix.artifact import read_meta, vllm_speculative_config
-    from .suffix.cache import SpecConfig
+    from ..suffix.artifact import read_meta, vllm_speculative_config
+    from ..suffix.cache import SpecConfig
 
     meta = read_meta(cache)
     if meta["tokenizer"]["fingerprint"] != _tokenizer_fingerprint(checkpoint):
         raise ValueError(
             f"suffix cache {cache} was built with tokenizer {meta['tokenizer']['name_or_path']!r}, not "
-            f"{checkpoint}'s; to resolve, rebuild it with `python -m eval.suffix build --model {checkpoint}`"
+            f"{checkpoint}'s; to resolve, rebuild it with `python -m eval.serving.suffix build --model {checkpoint}`"
         )
     spec = json.dumps(vllm_speculative_config(SpecConfig(**meta["config"])), separators=(",", ":"))
     note = (
@@ -71,7 +71,7 @@ def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
 
 
 def _ranker_args(ranker: Path, checkpoint: Path, config: dict) -> tuple[list[str], str]:
-    from .ranking.predictors import load_spec
+    from ..ranking.predictors import load_spec
 
     spec = load_spec(ranker)
     if spec.kind == "swiftkv-head" and spec.feature_dim != config.get("hidden_size"):
@@ -80,7 +80,7 @@ def _ranker_args(ranker: Path, checkpoint: Path, config: dict) -> tuple[list[str
             f"{checkpoint} has hidden_size {config.get('hidden_size')}; to resolve, train the ranker on this model"
         )
     note = (
-        f"learning-to-rank scheduling: score each prompt with eval.ranking.predictors.Ranker({str(ranker)!r}) "
+        f"learning-to-rank scheduling: score each prompt with eval.serving.ranking.predictors.Ranker({str(ranker)!r}) "
         f"and send priority = -round(score * {PRIORITY_SCALE}) with the request (lower is served first)"
     )
     return ["--scheduling-policy", "priority"], note

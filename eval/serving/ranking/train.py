@@ -40,7 +40,7 @@ TRAIN_FILE = "train.json"
 
 
 class TrainConfig(BaseModel):
-    """Options of ``python -m eval.ranking train``; defaults follow the paper where it has one."""
+    """Options of ``python -m eval.serving.ranking train``; defaults follow the paper where it has one."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -192,7 +192,11 @@ def train_ranker(
             },
         )
         write_provenance(
-            tmp, "eval.ranking.train", traces=str(traces_path), kind=config.kind, objective=config.objective
+            tmp,
+            "eval.serving.ranking.train",
+            traces=str(traces_path),
+            kind=config.kind,
+            objective=config.objective,
         )
     return Path(out_dir)
 

@@ -1,4 +1,4 @@
-"""``python -m eval.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
+"""``python -m eval.serving.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
 
 Per-problem results are resumable (``records.run_resumable``: an interrupted run continues where it
 stopped); when every problem is done ``OUT`` holds the records and ``OUT.summary.json`` the summary.
@@ -18,12 +18,12 @@ from .data import Problem, resolve_problems
 from .records import run_resumable
 
 EPILOG = """examples:
-  python -m eval.certaindex cot --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
+  python -m eval.serving.certaindex cot --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --data arith:20:0 --preset mid --max-tokens 256 --out cot.jsonl
-  python -m eval.certaindex cot --model http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl
-  python -m eval.certaindex sc --model MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
-  python -m eval.certaindex calibrate --model MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
-  python -m eval.certaindex serve --model MODEL_DIR --port 8000     # OpenAI-compatible test server
+  python -m eval.serving.certaindex cot --model http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl
+  python -m eval.serving.certaindex sc --model MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
+  python -m eval.serving.certaindex calibrate --model MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
+  python -m eval.serving.certaindex serve --model MODEL_DIR --port 8000     # OpenAI-compatible test server
 """
 
 
@@ -134,7 +134,7 @@ def _jsonable(options: dict) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m eval.certaindex",
+        prog="python -m eval.serving.certaindex",
         description=__doc__.splitlines()[0],
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

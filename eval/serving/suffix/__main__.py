@@ -1,4 +1,4 @@
-"""CLI: ``python -m eval.suffix build|generate|export-vllm`` (thin layer over :mod:`.stages`)."""
+"""CLI: ``python -m eval.serving.suffix build|generate|export-vllm`` (thin layer over :mod:`.stages`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 from .cache import SpecConfig
 
 EPILOG = """examples:
-  python -m eval.suffix build out/suffix-cache --data sharegpt --model MODEL_DIR --limit 2000
-  python -m eval.suffix build out/suffix-cache --model MODEL_DIR --responses-from teacher-generations.jsonl
-  python -m eval.suffix generate --model MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
-  python -m eval.suffix export-vllm out/suffix-cache > spec.json
-  vllm serve MODEL_DIR --speculative-config "$(python -m eval.suffix export-vllm out/suffix-cache)"
+  python -m eval.serving.suffix build out/suffix-cache --data sharegpt --model MODEL_DIR --limit 2000
+  python -m eval.serving.suffix build out/suffix-cache --model MODEL_DIR --responses-from teacher-generations.jsonl
+  python -m eval.serving.suffix generate --model MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
+  python -m eval.serving.suffix export-vllm out/suffix-cache > spec.json
+  vllm serve MODEL_DIR --speculative-config "$(python -m eval.serving.suffix export-vllm out/suffix-cache)"
 """
 
 
@@ -41,7 +41,7 @@ def _spec_config(args: argparse.Namespace, base: dict | None = None) -> SpecConf
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m eval.suffix",
+        prog="python -m eval.serving.suffix",
         description="SuffixDecoding: build suffix caches, generate with them, export the vLLM config.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
