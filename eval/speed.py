@@ -51,3 +51,22 @@ def interleaved(models: dict, measure, repeats: int, seed: int = 0) -> dict[str,
 
 def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(100, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill_times(models: dict, batch: int, length: int, repeats: int) -> dict[str, float]:
+    """Median prefill seconds per model for a ``batch x length`` random prompt, after a short warm-up each.
+
+    The one prefill loop of the toolkit: the main job and ``scripts/bench_prefill.py`` both call it.
+    """
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = prompt_ids(vocab, batch, length, seed=length)
+    for model in models.values():
+        time_prefill(model, ids[:, :64])
+    return interleaved(models, lambda m: time_prefill(m, ids), repeats, seed=length)
+
+
+def decode_times(models: dict, context: int, steps: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one decode step per model after a ``context``-token random prompt."""
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = prompt_ids(vocab, 1, context + 1, seed=1)
+    return interleaved(models, lambda m: time_decode(m, ids, steps), repeats)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from eval.speed import interleaved, prompt_ids, time_decode, time_prefill
+from eval.speed import decode_times, prefill_times
 from swiftkv.convert import read_config, resolve_num_key_value_layers, to_swiftkv
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
 
@@ -73,13 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for dtype_name in args.dtypes.split(","):
         models = variants(load_original(args.model, DTYPES[dtype_name]), specs)
-        vocab = models["original"].config.vocab_size
         cases = [(b, n) for b in batches for n in lengths if b * n <= args.max_batch_tokens]
         for b, n in cases:
-            ids = prompt_ids(vocab, b, n, seed=n)
-            for model in models.values():  # warm-up
-                time_prefill(model, ids[:, :64])
-            times = interleaved(models, lambda m, ids=ids: time_prefill(m, ids), args.repeats, seed=n)
+            times = prefill_times(models, b, n, args.repeats)
             base = times["original"]
             for name, model in models.items():
                 t = times[name]
@@ -106,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-        ids = prompt_ids(vocab, 1, args.decode_context + 1, seed=1)
-        decode = interleaved(models, lambda m, ids=ids: time_decode(m, ids, args.decode_steps), args.repeats)
+        decode = decode_times(models, args.decode_context, args.decode_steps, args.repeats)
         base = decode["original"]
         for name in models:
             t = decode[name]

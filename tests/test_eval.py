@@ -65,7 +65,7 @@ RUN = {
         "seconds": 1,
         "quick": True,
     },
-    "commands": ["python scripts/demo.py --quick"],
+    "commands": ["python -m eval run --quick"],
     "variants": [
         {
             "name": "original",
@@ -136,7 +136,7 @@ def test_report_from_a_fixture_run(tmp_path):
     for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
         assert f"]({png})" in report
-    assert "    python scripts/demo.py --quick" in report
+    assert "    python -m eval run --quick" in report
 
 
 def test_report_without_a_run_is_a_clear_error(tmp_path):

@@ -1,4 +1,5 @@
-"""The main job's quick mode end to end (so CI catches a missing install step), then a rerun that skips."""
+"""The main job's quick mode end to end (so CI catches a missing install step), then a rerun that skips;
+and the README's wrapper ``scripts/demo.py`` is the same command."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_quick_demo_end_to_end_and_resume(smollm2, tmp_path):
-    cmd = [sys.executable, "scripts/demo.py", "--quick", "--run-dir", str(tmp_path / "run")]
+def test_quick_job_end_to_end_and_resume(smollm2, tmp_path):
+    cmd = [sys.executable, "-m", "eval", "run", "--quick", "--out", str(tmp_path / "run")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
     assert first.returncode == 0, first.stderr[-3000:]
     report = tmp_path / "run" / "report.md"
-    assert f"demo: report at {report}" in first.stdout
+    assert str(report) in first.stdout
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert [v["name"] for v in run["variants"]] == ["original", "swiftkv50"]
     assert run["variants"][1]["quality"]["kl"] > 0 and run["variants"][1]["distill"]["eval_kl"] > 0
     assert "swiftkv50" in report.read_text()
-    second = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    wrapper = [sys.executable, "scripts/demo.py", *cmd[4:]]
+    second = subprocess.run(wrapper, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[distill-swiftkv50] up to date, skipped" in second.stdout
     assert "running" not in second.stdout

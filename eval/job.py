@@ -1,0 +1,245 @@
+"""The main job on the embedded default: convert -> distill -> evaluate -> report, resumable.
+
+``run_job()`` runs every stage through ``eval.pipeline.run_stage``: a stage is skipped when its inputs are
+unchanged and reruns (with everything downstream) when they change; an interrupted distillation resumes from
+its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
+
+``run.json``: ``{"meta": {model, machine, threads, dtype, date, prefill_lengths, seconds, quick},
+"commands": [the commands that reproduce each stage], "variants": [{name, dir, num_layers, swiftkv_layers,
+group_size, kv_bytes_per_token, ideal_prefill_speedup: {n: x}, quality, quality_before, speed: {prefill_s,
+prefill_speedup, decode_s, decode_ratio}, lm_eval, distill}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "swiftkv_smollm2_cpu.yaml"
+JOB_EPILOG = """examples:
+  python -m eval run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
+  python -m eval run --quick         # tiny settings (a few minutes; the tests run this)
+  python -m eval run --out out/demo --fractions 0.5 --distill-steps 60
+"""
+
+FULL = dict(
+    fractions=[0.25, 0.5],
+    distill_steps=None,  # the recipe's
+    distill=[],
+    quality=dict(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32),
+    lengths=[512, 1024, 2048],
+    repeats=3,
+    decode_context=1024,
+    decode_steps=10,
+    harness=dict(limit=50, max_length=1024),
+    n_docs=100,
+)
+QUICK = dict(
+    fractions=[0.5],
+    distill_steps=4,
+    distill=[
+        "data.sources.0.max_samples=40",
+        "data.seq_len=128",
+        "checkpoint.every_steps=4",
+        "log.eval_batches=2",
+        "log.every_steps=1",
+        "log.eval_every_steps=null",
+    ],
+    quality=dict(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8),
+    lengths=[128, 256],
+    repeats=1,
+    decode_context=128,
+    decode_steps=3,
+    harness=dict(limit=5, max_length=256),
+    n_docs=10,
+)
+
+
+def job_settings(quick: bool, fractions: list[float] | None, distill_steps: int | None) -> dict:
+    """The job's settings: the full or quick preset with the user's overrides, validated."""
+    cfg = dict(QUICK if quick else FULL, quick=quick)
+    if fractions is not None:
+        if not fractions or not all(0.0 < f < 1.0 for f in fractions):
+            raise ValueError(
+                f"fractions {fractions} must lie in (0, 1) (to resolve, pass e.g. --fractions 0.25,0.5)"
+            )
+        cfg["fractions"] = fractions
+    if distill_steps is not None:
+        if distill_steps < 1:
+            raise ValueError(f"distill_steps={distill_steps} (to resolve, pass a positive number of steps)")
+        cfg["distill_steps"] = distill_steps
+    return cfg
+
+
+def run_job(
+    run_dir: Path | None = None,
+    quick: bool = False,
+    fractions: list[float] | None = None,
+    distill_steps: int | None = None,
+) -> Path:
+    """Run (or resume) the main job into ``run_dir`` (default ``out/demo``, ``out/demo-quick`` with ``quick``);
+    return the path of its ``report.md``."""
+    from distill.recipe import load_recipe
+    from distill.train import train
+    from swiftkv.artifacts import read_provenance
+    from swiftkv.assets import fetch_model, fetch_sharegpt
+
+    from .harness import run_harness
+    from .pipeline import run_stage
+    from .quality import evaluate_quality
+    from .report import write_report
+    from .tasks import write_tasks
+
+    cfg = job_settings(quick, fractions, distill_steps)
+    run_dir = Path(run_dir or ("out/demo-quick" if quick else "out/demo")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    base = fetch_model()
+    fetch_sharegpt()
+    flags = " --quick" if quick else ""
+    commands = [f"python -m eval run --out {run_dir}{flags}"]
+    t0 = time.time()
+    base_key = read_provenance(base).get("gguf_sha256", str(base))
+    tasks_key, tasks_dir = run_stage(
+        run_dir,
+        "tasks",
+        {"n_docs": cfg["n_docs"], "data": "sharegpt"},
+        lambda: str(write_tasks(run_dir / "tasks", cfg["n_docs"])),
+    )
+
+    variants = [dict(name="original", dir=str(base), fraction=0.0, key=base_key)]
+    for fraction in cfg["fractions"]:
+        name = f"swiftkv{round(fraction * 100)}"
+        out = run_dir / f"distill-{name}"
+        steps = [f"train.max_steps={cfg['distill_steps']}"] if cfg["distill_steps"] else []
+        overrides = [
+            f"model.source={base}",
+            f"model.swiftkv.fraction={fraction}",
+            f"output_dir={out}",
+            *steps,
+            *cfg["distill"],
+        ]
+        recipe = load_recipe(RECIPE, overrides)
+        commands.append(f"python -m distill recipes/{RECIPE.name} {' '.join(overrides)}")
+        key, result = run_stage(
+            run_dir,
+            f"distill-{name}",
+            {"recipe": recipe.model_dump(mode="json"), "base": base_key},
+            lambda recipe=recipe: _distill(train, recipe),
+            output=out,
+        )
+        variants.append(
+            dict(
+                name=f"{name}-converted",
+                dir=str(out / "converted"),
+                fraction=fraction,
+                key=key,
+                before_of=name,
+            )
+        )
+        variants.append(dict(name=name, dir=result["model"], fraction=fraction, key=key, distill=result))
+
+    for v in variants:
+        _, v["quality"] = run_stage(
+            run_dir,
+            f"quality-{v['name']}",
+            {"model": v["key"], "cfg": cfg["quality"]},
+            lambda v=v: evaluate_quality(v["dir"], **cfg["quality"]),
+        )
+    measured = [v for v in variants if "before_of" not in v]
+    speed_inputs = {
+        "models": [v["key"] for v in measured],
+        **{k: cfg[k] for k in ("lengths", "repeats", "decode_context", "decode_steps")},
+    }
+    _, speed = run_stage(run_dir, "speed", speed_inputs, lambda: _speed(measured, cfg))
+    for v in measured:
+        _, v["lm_eval"] = run_stage(
+            run_dir,
+            f"lm_eval-{v['name']}",
+            {"model": v["key"], "tasks": tasks_key, **cfg["harness"]},
+            lambda v=v: run_harness(
+                v["dir"], ["sharegpt_ppl", "sharegpt_mc"], tasks_dir, batch_size=4, **cfg["harness"]
+            ),
+        )
+        commands.append(
+            f"python -m eval harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc "
+            f"--tasks-dir {tasks_dir} --limit {cfg['harness']['limit']}"
+        )
+    commands.append(f"python -m eval report {run_dir}")
+    write_run_json(run_dir, base, cfg, measured, variants, speed, commands, time.time() - t0)
+    return write_report(run_dir)
+
+
+def _distill(train, recipe) -> dict:
+    model_dir = train(recipe)
+    out = Path(recipe.output_dir)
+    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    final = json.loads((out / "final_metrics.json").read_text())
+    return {"model": str(model_dir), "initial_eval_kl": first.get("eval_kl"), **final}
+
+
+def _speed(measured: list[dict], cfg: dict) -> dict:
+    """Prefill and decode times of every measured variant, interleaved (``eval.speed``), as ratios to the original."""
+    from transformers import AutoModelForCausalLM
+
+    from .speed import decode_times, prefill_times
+
+    models = {
+        v["name"]: AutoModelForCausalLM.from_pretrained(v["dir"], dtype=torch.float32).eval()
+        for v in measured
+    }
+    out = {name: {"prefill_s": {}} for name in models}
+    for n in cfg["lengths"]:
+        for name, t in prefill_times(models, 1, n, cfg["repeats"]).items():
+            out[name]["prefill_s"][str(n)] = t
+    for name, t in decode_times(models, cfg["decode_context"], cfg["decode_steps"], cfg["repeats"]).items():
+        out[name]["decode_s"] = t
+    for name in models:
+        out[name]["prefill_speedup"] = {
+            n: out["original"]["prefill_s"][n] / t for n, t in out[name]["prefill_s"].items()
+        }
+        out[name]["decode_ratio"] = out[name]["decode_s"] / out["original"]["decode_s"]
+    return out
+
+
+def write_run_json(run_dir, base, cfg, measured, variants, speed, commands, seconds) -> None:
+    """``RUN_DIR/run.json`` (the schema in the module docstring), written atomically."""
+    from swiftkv.artifacts import write_json_atomic
+    from swiftkv.convert import read_config
+    from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
+
+    rows = []
+    quality = {v["name"]: v["quality"] for v in variants}
+    for v in measured:
+        shape = Shape.from_config(read_config(Path(v["dir"])))
+        rows.append(
+            dict(
+                name=v["name"],
+                dir=v["dir"],
+                num_layers=shape.layers,
+                swiftkv_layers=shape.layers - shape.num_key_value_layers,
+                group_size=shape.group_size,
+                kv_bytes_per_token=kv_bytes_per_token(shape, 2, v["name"] != "original"),
+                ideal_prefill_speedup={str(n): ideal_prefill_speedup(shape, n) for n in cfg["lengths"]},
+                quality=v["quality"],
+                quality_before=quality.get(f"{v['name']}-converted"),
+                speed=speed[v["name"]],
+                lm_eval=v.get("lm_eval"),
+                distill=v.get("distill"),
+            )
+        )
+    meta = dict(
+        model=str(base),
+        machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        threads=torch.get_num_threads(),
+        dtype="float32",
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        prefill_lengths=cfg["lengths"],
+        seconds=round(seconds),
+        quick=cfg["quick"],
+    )
+    write_json_atomic(run_dir / "run.json", {"meta": meta, "commands": commands, "variants": rows})
