@@ -2,7 +2,8 @@
 
 Per GPU type with R GPUs per node and N nodes the configurations are 1, 2, 4, ..., R GPUs on one node and
 then whole nodes (2R, 3R, ..., N·R).  A job fits a configuration when its GPU count is within the job's
-limit and some ZeRO stage brings the per-GPU memory under the GPU's memory; the smallest such stage is also
+limit, the GPU computes in the job's precision (no bf16 job on a T4), and some ZeRO stage brings the
+per-GPU memory under the GPU's memory; the smallest such stage is also
 what the launch config uses, so planner and launcher agree.
 """
 
@@ -83,20 +84,32 @@ def zero_stage(job: Job, gpus: int, memory_gb: float) -> int | None:
     return None
 
 
+def precision_ok(job: Job, gpu: GpuType) -> bool:
+    """A bf16 job needs a GPU type that computes in bf16."""
+    return gpu.bf16 or job.mixed_precision != "bf16"
+
+
 def job_configs(job: Job, cluster: Cluster) -> list[Config]:
-    """The configurations ``job`` fits in (GPU limit and memory)."""
+    """The configurations ``job`` fits in (GPU limit, precision and memory)."""
     return [
         c
         for c in cluster_configs(cluster)
-        if c.gpus <= job.max_gpus and zero_stage(job, c.gpus, cluster.type(c.gpu_type).memory_gb) is not None
+        if c.gpus <= job.max_gpus
+        and precision_ok(job, cluster.type(c.gpu_type))
+        and zero_stage(job, c.gpus, cluster.type(c.gpu_type).memory_gb) is not None
     ]
 
 
 def require_fit(job: Job, cluster: Cluster) -> list[Config]:
     """``job_configs`` or a one-line error when the job fits no configuration at all."""
     configs = job_configs(job, cluster)
+    if not configs and not any(precision_ok(job, t) for t in cluster.gpu_types):
+        raise ValueError(
+            f"job {job.name!r} trains in bf16 but no GPU type of the cluster has bf16; to resolve, set the "
+            "job's mixed_precision (and its recipe's train.mixed_precision) to fp16, or add bf16 GPUs"
+        )
     if not configs:
-        biggest = max(t.memory_gb for t in cluster.gpu_types)
+        biggest = max(t.memory_gb for t in cluster.gpu_types if precision_ok(job, t))
         need = memory_per_gpu_gb(job, min(job.max_gpus, cluster.total_gpus), 3)
         raise ValueError(
             f"job {job.name!r} fits no configuration: {need:.1f} GB per GPU even with ZeRO-3 on "

@@ -2,7 +2,9 @@
 
 Each job folder gets ``accelerate.yaml`` (written by accelerate's own ``ClusterConfig``, so it loads with
 ``accelerate launch --config_file``), ``deepspeed.json`` (ZeRO stage chosen by the planner from model size
-and GPU memory; batch sizes, clipping and bf16 left ``"auto"`` for accelerate to fill from the recipe) and
+and GPU memory; batch sizes, clipping and bf16 left ``"auto"`` for accelerate to fill from the recipe; ZeRO-3's
+bucket sizes left at DeepSpeed's defaults, because accelerate can fill their ``"auto"`` only from a
+``model.config``, which the distillation objective does not have) and
 ``launch.sh`` (``MACHINE_RANK=k`` on the k-th listed host).  The output folder is complete or absent.
 """
 
@@ -22,14 +24,7 @@ def deepspeed_config(stage: int) -> dict[str, Any]:
     """DeepSpeed JSON for a ZeRO stage; everything the recipe decides stays ``"auto"``."""
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if stage == 3:
-        zero.update(
-            {
-                "reduce_bucket_size": "auto",
-                "stage3_prefetch_bucket_size": "auto",
-                "stage3_param_persistence_threshold": "auto",
-                "stage3_gather_16bit_weights_on_model_save": True,
-            }
-        )
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",

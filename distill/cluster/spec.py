@@ -7,6 +7,7 @@ that names the file and the fix, before any planning starts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,6 +34,8 @@ class GpuType(BaseModel):
     """Memory of one GPU, used to decide which configurations a job fits in and its ZeRO stage."""
     tflops: float = Field(default=1.0, gt=0)
     """Relative compute speed; only the synthetic trace generator reads it."""
+    bf16: bool = True
+    """Whether the GPU computes in bfloat16 (false for T4, V100 and older): bf16 jobs are never placed there."""
     hosts: list[str] | None = None
     """Host names of the nodes, for launch configs; default ``<name>-<i>``."""
 
@@ -121,6 +124,8 @@ class Job(BaseModel):
     """Trainable (student) parameters, billions: sets memory fit and ZeRO stage."""
     teacher_params_b: float = Field(default=0.0, ge=0)
     """Frozen teacher parameters, billions (0 when teacher and student share weights, as in SwiftKV)."""
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    """The recipe's ``train.mixed_precision``: a bf16 job only fits GPU types with ``bf16: true``."""
     activation_gb: float = Field(default=4.0, ge=0)
     """Per-GPU memory reserved for activations and workspace."""
     max_gpus: int = Field(default=64, ge=1)

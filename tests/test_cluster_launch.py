@@ -1,0 +1,114 @@
+"""Plans that launch: precision-aware placement, DeepSpeed configs without unfillable "auto" values, and a
+plan's own accelerate + DeepSpeed files running a real 2-process ZeRO-3 distillation for 2 steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distill.cluster.cli import main
+from distill.cluster.configs import job_configs, require_fit
+from distill.cluster.launch import deepspeed_config
+from distill.cluster.spec import Cluster, Job
+
+ROOT = Path(__file__).resolve().parents[1]
+MIXED = Cluster.model_validate(
+    {
+        "gpu_types": [
+            {"name": "a100", "nodes": 1, "gpus_per_node": 8, "memory_gb": 80},
+            {"name": "t4", "nodes": 2, "gpus_per_node": 4, "memory_gb": 16, "bf16": False},
+        ]
+    }
+)
+
+
+def test_bf16_jobs_never_get_gpus_without_bf16():
+    bf16 = Job(name="bf16", student_params_b=0.1, activation_gb=1.0)
+    fp16 = Job(name="fp16", student_params_b=0.1, activation_gb=1.0, mixed_precision="fp16")
+    assert {c.gpu_type for c in job_configs(bf16, MIXED)} == {"a100"}
+    assert {c.gpu_type for c in job_configs(fp16, MIXED)} == {"a100", "t4"}
+    t4_only = Cluster.model_validate({"gpu_types": [MIXED.gpu_types[1].model_dump()]})
+    with pytest.raises(ValueError, match="trains in bf16 but no GPU type of the cluster has bf16") as e:
+        require_fit(bf16, t4_only)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_configs_leave_only_recipe_fields_auto(stage):
+    """accelerate fills "auto" from the recipe (batch, accumulation, clipping, precision); ZeRO-3 bucket sizes
+    could only come from ``model.config``, which the distillation objective lacks, so none may be "auto"."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    ds = deepspeed_config(stage)
+    assert "auto" not in json.dumps(ds["zero_optimization"])
+    assert DeepSpeedZeroConfig(**ds["zero_optimization"]).stage == stage
+
+
+def _tiny_recipe(tmp_path: Path, model: Path, data: Path) -> Path:
+    recipe = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"source": str(model), "swiftkv": {"num_key_value_layers": 3, "group_size": 1}},
+        "data": {"sources": [{"path": str(data)}], "seq_len": 64, "holdout": 0.1},
+        "loss": {"chunk_tokens": 32},
+        "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "constant"},
+        "train": {"micro_batch_size": 2, "max_steps": 2},
+        "checkpoint": {"every_steps": 2, "keep": 1},
+        "log": {"every_steps": 1, "eval_batches": 2},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_a_planned_zero3_job_launches_and_trains(tiny_chat_model, chat_data, tmp_path):
+    """plan -> launch-configs -> the plan's launch.sh, unchanged, on 2 CPU processes (gloo)."""
+    cluster = tmp_path / "cluster.yaml"  # two 1.5 GB "GPUs": only ZeRO-3 over both fits the job
+    cluster.write_text(
+        yaml.safe_dump({"gpu_types": [{"name": "cpu", "nodes": 1, "gpus_per_node": 2, "memory_gb": 1.5}]})
+    )
+    job = {
+        "name": "tiny",
+        "recipe": str(_tiny_recipe(tmp_path, tiny_chat_model, chat_data)),
+        "student_params_b": 0.1,
+        "teacher_params_b": 0.5,
+        "activation_gb": 0.0,
+        "mixed_precision": "no",
+        "max_gpus": 2,
+        "observed": [
+            {"gpu_type": "cpu", "gpus": 1, "throughput": 1.0},
+            {"gpu_type": "cpu", "gpus": 2, "throughput": 1.9},
+        ],
+    }
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(yaml.safe_dump({"jobs": [job]}))
+    assert main(["plan", str(cluster), str(jobs), "--out", str(tmp_path / "plan.json")]) == 0
+    (entry,) = json.loads((tmp_path / "plan.json").read_text())["jobs"]
+    assert (entry["gpus"], entry["zero_stage"]) == (2, 3)
+    assert main(["launch-configs", str(tmp_path / "plan.json"), "--out", str(tmp_path / "launch")]) == 0
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
+    run = subprocess.run(
+        ["bash", str(tmp_path / "launch" / "tiny" / "launch.sh")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [1, 2]
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
