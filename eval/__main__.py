@@ -1,15 +1,24 @@
-"""``python -m eval harness|quality|tasks|report|vllm-args``: thin CLIs over the eval functions."""
+"""``python -m eval run|tasks|harness|quality|report|vllm-args``: thin CLIs over the eval functions."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from pathlib import Path
+
+from swiftkv.cliargs import (
+    ArgumentParser,
+    add_limit,
+    add_model,
+    add_out,
+    existing_path,
+    float_list,
+    run,
+    subcommands,
+)
 
 EPILOG = """examples:
-  python -m eval tasks out/tasks                       # write the offline ShareGPT tasks for lm-eval
-  python -m eval harness --model out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
+  python -m eval run --quick                           # the main job: convert -> distill -> evaluate -> report
+  python -m eval tasks --out out/tasks                 # write the offline ShareGPT tasks for lm-eval
+  python -m eval harness out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
   lm_eval --model hf --model_args pretrained=out/smollm2-swiftkv50,trust_remote_code=True \\
       --include_path out/tasks --tasks sharegpt_ppl --device cpu
   python -m eval quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
@@ -18,76 +27,85 @@ EPILOG = """examples:
 """
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m eval",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def build_parser() -> ArgumentParser:
+    from .job import JOB_EPILOG
+
+    parser = ArgumentParser(prog="python -m eval", description=__doc__, epilog=EPILOG)
+    sub = subcommands(parser)
+    job = sub.add_parser("run", help="the main job on the embedded default (resumable)", epilog=JOB_EPILOG)
+    add_out(job, help="run folder (default out/demo, out/demo-quick with --quick)", required=False)
+    job.add_argument("--quick", action="store_true", help="tiny settings (CI)")
+    job.add_argument("--fractions", type=float_list, default=None, help="SwiftKV fractions, e.g. 0.25,0.5")
+    job.add_argument(
+        "--distill-steps", type=int, default=None, help="optimizer steps (default: the recipe's)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
     tasks = sub.add_parser("tasks", help="write the offline lm-eval tasks")
-    tasks.add_argument("dst", type=Path)
-    tasks.add_argument("--n-docs", type=int, default=100)
+    add_out(tasks, "out/tasks", help="tasks folder (default out/tasks)")
+    add_limit(tasks, 100, "documents per task")
     harness = sub.add_parser("harness", help="lm-eval with our model types registered in-process")
-    harness.add_argument("--model", required=True)
+    add_model(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated task names")
-    harness.add_argument(
-        "--tasks-dir", type=Path, default=Path("out/tasks"), help="written by `tasks` if missing"
-    )
-    harness.add_argument("--limit", type=int, default=None)
+    harness.add_argument("--tasks-dir", default="out/tasks", help="written by `tasks` if missing")
+    add_limit(harness, None, "documents per task")
     harness.add_argument("--max-length", type=int, default=1024)
     quality = sub.add_parser(
         "quality", help="KL, agreement, perplexity and greedy agreement against the teacher"
     )
-    quality.add_argument("model")
-    quality.add_argument("--conversations", type=int, default=32)
-    quality.add_argument("--prompts", type=int, default=8)
+    add_model(quality, help="SwiftKV checkpoint (compared with its own teacher mode)")
+    add_limit(quality, 32, "held-out conversations")
+    quality.add_argument("--prompts", type=int, default=8, help="prompts for greedy agreement (default: 8)")
     report = sub.add_parser("report", help="report.md and PNG plots from RUN_DIR/run.json")
-    report.add_argument("run_dir", type=Path)
-    report.add_argument("--baseline", help="accepted for compatibility; the run records its own baseline")
+    add_model(report, "run_dir", help="run folder holding run.json")
     serve = sub.add_parser(
         "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
     )
-    serve.add_argument("checkpoint", type=Path)
-    serve.add_argument("--suffix-cache", type=Path, help="from `python -m eval.serving.suffix build`")
-    serve.add_argument("--ranker", type=Path, help="from `python -m eval.serving.ranking train`")
+    add_model(serve, "checkpoint")
+    serve.add_argument(
+        "--suffix-cache", type=existing_path, help="from `python -m eval.serving.suffix build`"
+    )
+    serve.add_argument("--ranker", type=existing_path, help="from `python -m eval.serving.ranking train`")
     serve.add_argument("--cpu", action="store_true", help="add vLLM CPU backend settings")
     serve.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
+    return parser
 
-    try:
-        if args.command == "tasks":
-            from .tasks import write_tasks
 
-            print(write_tasks(args.dst, args.n_docs))
-        elif args.command == "harness":
-            from .harness import run_harness
-            from .tasks import TASKS, write_tasks
+def _command(args) -> str:
+    if args.command == "run":
+        from .job import run_job
 
-            if not all((args.tasks_dir / f"{t}.yaml").is_file() for t in TASKS):
-                write_tasks(args.tasks_dir)
-            result = run_harness(
-                args.model, args.tasks.split(","), args.tasks_dir, args.limit, args.max_length
-            )
-            print(json.dumps(result, indent=2))
-        elif args.command == "quality":
-            from .quality import evaluate_quality
+        return str(run_job(args.out, args.quick, args.fractions, args.distill_steps))
+    if args.command == "tasks":
+        from .tasks import write_tasks
 
-            print(
-                json.dumps(evaluate_quality(args.model, args.conversations, n_prompts=args.prompts), indent=2)
-            )
-        elif args.command == "vllm-args":
-            from .serving.vllm.args import serve_command
+        return str(write_tasks(args.out, args.limit))
+    if args.command == "harness":
+        from pathlib import Path
 
-            print(serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell())
-        else:
-            from .report import write_report
+        from .harness import run_harness
+        from .tasks import TASKS, write_tasks
 
-            print(write_report(args.run_dir))
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"eval {args.command}: error: {e}")
+        tasks_dir = Path(args.tasks_dir)
+        if not all((tasks_dir / f"{t}.yaml").is_file() for t in TASKS):
+            write_tasks(tasks_dir)
+        return json.dumps(
+            run_harness(args.model, args.tasks.split(","), tasks_dir, args.limit, args.max_length), indent=2
+        )
+    if args.command == "quality":
+        from .quality import evaluate_quality
+
+        return json.dumps(evaluate_quality(args.model, args.limit, n_prompts=args.prompts), indent=2)
+    if args.command == "vllm-args":
+        from .serving.vllm.args import serve_command
+
+        return serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell()
+    from .report import write_report
+
+    return str(write_report(args.run_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_command, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,7 +1,6 @@
 """``python -m kvcompress`` = the ``kvcompress`` console script."""
 
-import sys
-
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

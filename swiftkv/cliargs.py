@@ -67,8 +67,14 @@ def add_model(parser: argparse.ArgumentParser, name: str = "model", help: str = 
     return parser.add_argument(name, type=existing_path, help=help)
 
 
-def add_out(parser: argparse.ArgumentParser, default: str | None = None, help: str = "output path"):
-    required = default is None
+def add_out(
+    parser: argparse.ArgumentParser,
+    default: str | None = None,
+    help: str = "output path",
+    required: bool | None = None,
+):
+    """``--out PATH``; required unless it has a default or ``required=False`` (then None means "do not write")."""
+    required = default is None if required is None else required
     return parser.add_argument("--out", type=Path, default=default, required=required, help=help)
 
 
@@ -76,8 +82,8 @@ def add_limit(parser: argparse.ArgumentParser, default: int | None, help: str):
     return parser.add_argument("--limit", type=int, default=default, help=f"{help} (default: {default})")
 
 
-def add_dtype(parser: argparse.ArgumentParser, default: str = "auto"):
-    return parser.add_argument("--dtype", default=default, choices=DTYPES, help=f"default: {default}")
+def add_dtype(parser: argparse.ArgumentParser, default: str = "auto", choices: Sequence[str] = DTYPES):
+    return parser.add_argument("--dtype", default=default, choices=choices, help=f"default: {default}")
 
 
 def add_seed(parser: argparse.ArgumentParser, default: int = 0):

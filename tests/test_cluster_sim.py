@@ -118,7 +118,7 @@ def test_cli_plan_launch_configs_and_simulate(tmp_path, capsys):
     assert (entries["wide"]["gpu_type"], entries["wide"]["gpus"], entries["wide"]["nodes"]) == ("mid", 8, 2)
     assert {f"fresh@profile-{t}" for t in ("big", "mid", "small")} == set(entries) - {"wide"}
     out = tmp_path / "launch"
-    assert main(["launch-configs", str(plan), str(out)]) == 0
+    assert main(["launch-configs", str(plan), "--out", str(out)]) == 0
     for name, e in entries.items():
         acc = ClusterConfig.from_yaml_file(out / name / "accelerate.yaml")
         assert (acc.num_processes, acc.num_machines) == (e["gpus"], e["nodes"])
@@ -128,10 +128,10 @@ def test_cli_plan_launch_configs_and_simulate(tmp_path, capsys):
     wide = ClusterConfig.from_yaml_file(out / "wide" / "accelerate.yaml")
     assert (wide.main_process_ip, wide.gpu_ids) == ("mid-0", "all")
     assert "MACHINE_RANK=1 on mid-1" in (out / "wide" / "launch.sh").read_text()
-    assert main(["launch-configs", str(plan), str(out)]) == 2  # refuses to overwrite without --force
+    assert main(["launch-configs", str(plan), "--out", str(out)]) == 2  # refuses to overwrite without --force
     assert "not empty" in capsys.readouterr().err
     trace = tmp_path / "trace.csv"
-    assert main(["trace", str(cluster), str(trace), "--jobs", "6", "--hours", "0.5"]) == 0
+    assert main(["trace", str(cluster), "--out", str(trace), "--limit", "6", "--hours", "0.5"]) == 0
     sim = tmp_path / "sim"
     assert main(["simulate", str(cluster), str(trace), "--policy", "sia,fifo", "--out", str(sim)]) == 0
     metrics = json.loads((sim / "metrics.json").read_text())["policies"]

@@ -124,7 +124,7 @@ def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
     # a checkpoint from another recipe is refused by name, before any training
-    result = run([PY, "-m", "distill", str(killed), "data.seq_len=96"], expect=1)
+    result = run([PY, "-m", "distill", str(killed), "data.seq_len=96"], expect=2)
     assert "was written by a different recipe (differs in: data)" in result.stderr
 
 

@@ -49,7 +49,16 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def test_cli_calibrate_then_load_compressed_generates(tiny_dir, tmp_path):
     out = tmp_path / "kv"
-    argv = ["calibrate", str(tiny_dir), str(out), "--data", str(tiny_dir / "chats.jsonl"), "--samples", "4"]
+    argv = [
+        "calibrate",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--data",
+        str(tiny_dir / "chats.jsonl"),
+        "--limit",
+        "4",
+    ]
     assert main([*argv, "--rank-budget", "0.5", "--bits", "8,4", "--window", "4", "--block", "8"]) == 0
     assert main([*argv]) == 2  # refuses to overwrite without --force
     assert main([*argv, "--rank-budget", "2"]) == 2 and (out / "factors.json").is_file()

@@ -219,16 +219,19 @@ def test_trace_generation_resumes_and_refuses_other_options(tiny_model, tmp_path
 
 
 def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, capsys):
-    assert main(["train", str(synthetic_traces), str(tmp_path / "r"), "--epochs", "2", "--layer", "1"]) == 0
+    assert (
+        main(["train", str(synthetic_traces), "--out", str(tmp_path / "r"), "--epochs", "2", "--layer", "1"])
+        == 0
+    )
     assert (
         main(["evaluate", str(tmp_path / "r"), str(synthetic_traces), "--out", str(tmp_path / "e.json")]) == 0
     )
     assert json.loads((tmp_path / "e.json").read_text())["n"] == 32
-    assert main(["train", str(synthetic_traces), str(tmp_path / "r"), "--epochs", "2"]) == 2
+    assert main(["train", str(synthetic_traces), "--out", str(tmp_path / "r"), "--epochs", "2"]) == 2
     assert "pass --force" in capsys.readouterr().err
-    assert main(["train", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    assert main(["train", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
     assert "to resolve" in capsys.readouterr().err
-    assert main(["train", str(synthetic_traces), str(tmp_path / "y"), "--layer", "9"]) == 2
+    assert main(["train", str(synthetic_traces), "--out", str(tmp_path / "y"), "--layer", "9"]) == 2
     assert not (tmp_path / "y").exists()
 
 

@@ -60,7 +60,7 @@ def test_round_trip_is_exact_and_keeps_fifo(tmp_path):
 
 def test_other_tokenizer_is_refused(tmp_path):
     save_cache(filled_cache(), tmp_path / "c", word_tokenizer())
-    with pytest.raises(ValueError, match="built with tokenizer .* rebuild the cache with --model"):
+    with pytest.raises(ValueError, match="built with tokenizer .* rebuild the cache for this model"):
         load_cache(tmp_path / "c", word_tokenizer(offset=1))
 
 
@@ -95,9 +95,9 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
         main(
             [
                 "build",
-                str(out),
-                "--model",
                 str(tiny_llama_dir),
+                "--out",
+                str(out),
                 "--responses-from",
                 str(gens),
                 "--max-spec",
@@ -110,7 +110,7 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
     assert cache.num_responses == 2 and cache.config.max_spec == 4
     # after "w5 w6 w7" both responses split (w8 / <eos>, p = 1/2 each): the tie goes to the smaller id
     assert cache.global_tree.speculate([5, 6], 4).tokens == [7, 1]
-    assert main(["build", str(out), "--model", str(tiny_llama_dir), "--responses-from", str(gens)]) == 2
+    assert main(["build", str(tiny_llama_dir), "--out", str(out), "--responses-from", str(gens)]) == 2
     assert "not empty" in capsys.readouterr().err
 
     prompts = tmp_path / "prompts.jsonl"
@@ -119,7 +119,6 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
         main(
             [
                 "generate",
-                "--model",
                 str(tiny_llama_dir),
                 "--cache",
                 str(out),

@@ -100,7 +100,7 @@ def test_refusals_are_one_line(checkpoint, tmp_path, problem, match):
         + [arg for key, value in kwargs.items() for arg in (f"--{key.replace('_', '-')}", str(value))],
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
-    assert cli.returncode == 1 and cli.stdout == "" and cli.stderr.count("\n") == 1
+    assert cli.returncode == 2 and cli.stdout == "" and cli.stderr.count("\n") == 1
 
 
 @pytest.mark.skipif(

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from swiftkv.cliargs import (
+    ArgumentParser,
+    add_force,
+    add_limit,
+    add_model,
+    add_out,
+    add_seed,
+    run,
+    subcommands,
+)
 
 EPILOG = """examples:
   python -m distill.cluster plan recipes/cluster/cluster.yaml recipes/cluster/jobs.yaml --out plan.json
-  python -m distill.cluster launch-configs plan.json launch/
-  python -m distill.cluster trace recipes/cluster/cluster.yaml trace.csv --jobs 160 --hours 8 --seed 0
+  python -m distill.cluster launch-configs plan.json --out launch/
+  python -m distill.cluster trace recipes/cluster/cluster.yaml --out trace.csv --limit 160 --hours 8 --seed 0
   python -m distill.cluster simulate recipes/cluster/cluster.yaml trace.csv --policy sia,gavel,fifo \\
       --round 60 --out sim/
 """
@@ -38,10 +48,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace) -> None:
     from .launch import write_launch_configs
 
-    path = Path(args.plan)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such plan; to resolve, run `python -m distill.cluster plan` first")
-    dirs = write_launch_configs(json.loads(path.read_text()), args.out, force=args.force)
+    dirs = write_launch_configs(json.loads(args.plan.read_text()), args.out, force=args.force)
     print(f"wrote {len(dirs)} job folders under {args.out}")
 
 
@@ -49,7 +56,7 @@ def _trace(args: argparse.Namespace) -> None:
     from .spec import load_cluster
     from .trace import generate_trace, write_trace
 
-    jobs = generate_trace(load_cluster(args.cluster), args.jobs, args.hours, args.seed)
+    jobs = generate_trace(load_cluster(args.cluster), args.limit, args.hours, args.seed)
     write_trace(args.out, jobs)
     print(f"wrote {len(jobs)} jobs to {args.out}")
 
@@ -84,15 +91,13 @@ def _simulate(args: argparse.Namespace) -> None:
         print(f"wrote {out / 'metrics.json'} and {out / 'jct.png'}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
-    ap = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(
         prog="python -m distill.cluster",
         description="Sia-style heterogeneity-aware, goodput-optimized planning of distillation jobs.",
         epilog=EPILOG,
-        formatter_class=fmt,
     )
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = subcommands(ap)
     commands = {
         "plan": (_plan, "allocate and place jobs for the coming round"),
         "launch-configs": (_launch, "accelerate/DeepSpeed configs per planned job"),
@@ -101,37 +106,31 @@ def build_parser() -> argparse.ArgumentParser:
     }
     p = {}
     for name, (func, text) in commands.items():
-        p[name] = sub.add_parser(name, help=text, description=text, epilog=EPILOG, formatter_class=fmt)
+        p[name] = sub.add_parser(name, help=text, description=text, epilog=EPILOG)
         p[name].set_defaults(func=func)
-    p["plan"].add_argument("cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
-    p["plan"].add_argument("jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement)")
-    p["plan"].add_argument("--out", default="plan.json", help="plan JSON to write (default plan.json)")
+    add_model(p["plan"], "cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
+    add_model(p["plan"], "jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement)")
+    add_out(p["plan"], "plan.json", help="plan JSON to write (default plan.json)")
     p["plan"].add_argument(
         "--explore", type=int, default=2, help="max GPUs = this x largest measured (default 2)"
     )
     p["plan"].add_argument("--time-limit", type=float, default=10.0, help="solver time limit, s (default 10)")
-    p["launch-configs"].add_argument("plan", help="plan.json written by `plan`")
-    p["launch-configs"].add_argument("out", help="output folder (one sub-folder per job)")
-    p["launch-configs"].add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    p["trace"].add_argument("cluster", help="cluster.yaml (type names and tflops)")
-    p["trace"].add_argument("out", help="trace CSV to write")
-    p["trace"].add_argument("--jobs", type=int, default=160, help="number of jobs (default 160)")
+    add_model(p["launch-configs"], "plan", help="plan.json written by `plan`")
+    add_out(p["launch-configs"], help="output folder (one sub-folder per job)")
+    add_force(p["launch-configs"])
+    add_model(p["trace"], "cluster", help="cluster.yaml (type names and tflops)")
+    add_out(p["trace"], help="trace CSV to write")
+    add_limit(p["trace"], 160, "number of jobs")
     p["trace"].add_argument("--hours", type=float, default=8.0, help="arrival window (default 8)")
-    p["trace"].add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p["simulate"].add_argument("cluster", help="cluster.yaml")
-    p["simulate"].add_argument("trace", help="trace CSV (from `trace`)")
+    add_seed(p["trace"])
+    add_model(p["simulate"], "cluster", help="cluster.yaml")
+    add_model(p["simulate"], "trace", help="trace CSV (from `trace`)")
     p["simulate"].add_argument("--policy", default="sia,gavel,fifo", help="comma-separated: sia, gavel, fifo")
     p["simulate"].add_argument("--round", type=float, default=60.0, help="round length, s (default 60)")
     p["simulate"].add_argument("--max-rounds", type=int, default=None, help="stop after this many rounds")
-    p["simulate"].add_argument("--out", default=None, help="folder for metrics.json and jct.png")
+    add_out(p["simulate"], help="folder for metrics.json and jct.png", required=False)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run(lambda args: args.func(args), build_parser(), argv)

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from swiftkv.cliargs import (
+    ArgumentParser,
+    add_dtype,
+    add_limit,
+    add_out,
+    add_seed,
+    existing_path,
+    run,
+    subcommands,
+)
 
 from .answers import answers_equal
 from .backends import Backend, Sampling, load_backend
@@ -18,12 +28,12 @@ from .data import Problem, resolve_problems
 from .records import run_resumable
 
 EPILOG = """examples:
-  python -m eval.serving.certaindex cot --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
+  python -m eval.serving.certaindex cot ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --data arith:20:0 --preset mid --max-tokens 256 --out cot.jsonl
-  python -m eval.serving.certaindex cot --model http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl
-  python -m eval.serving.certaindex sc --model MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
-  python -m eval.serving.certaindex calibrate --model MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
-  python -m eval.serving.certaindex serve --model MODEL_DIR --port 8000     # OpenAI-compatible test server
+  python -m eval.serving.certaindex cot http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl --out cot.jsonl
+  python -m eval.serving.certaindex sc MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
+  python -m eval.serving.certaindex calibrate MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
+  python -m eval.serving.certaindex serve MODEL_DIR --port 8000     # OpenAI-compatible test server
 """
 
 
@@ -132,41 +142,35 @@ def _jsonable(options: dict) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in options.items() if k != "func"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m eval.serving.certaindex",
-        description=__doc__.splitlines()[0],
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def model_or_url(text: str) -> str:
+    """argparse type: an ``http(s)://`` endpoint, or a model folder that must exist."""
+    return text if text.startswith(("http://", "https://")) else str(existing_path(text))
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m eval.serving.certaindex", description=__doc__.splitlines()[0], epilog=EPILOG
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = subcommands(parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--model", required=True, help="transformers model dir, or http://host:port/v1 endpoint"
+        "model", type=model_or_url, help="transformers model dir, or http://host:port/v1 endpoint"
     )
-    common.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="transformers weights"
-    )
-    run = argparse.ArgumentParser(add_help=False, parents=[common])
-    run.add_argument("--tokenizer", help="HF dir or id for the chat template when --model is a URL")
-    run.add_argument(
+    add_dtype(common, "float32", ("float32", "bfloat16", "float16"))
+    solve = argparse.ArgumentParser(add_help=False, parents=[common])
+    solve.add_argument("--tokenizer", help="HF dir or id for the chat template when MODEL is a URL")
+    solve.add_argument(
         "--data", required=True, help="JSONL of {id, question, answer[, choices]}, or arith:N[:SEED]"
     )
-    run.add_argument("--limit", type=int, help="use only the first N problems")
-    run.add_argument(
-        "--out", type=Path, required=True, help="per-problem JSONL; summary goes to OUT.summary.json"
-    )
-    run.add_argument("--max-tokens", type=int, default=1024, help="token budget of one chain")
-    run.add_argument("--temperature", type=float, default=0.6)
-    run.add_argument("--top-p", type=float, default=0.95)
-    run.add_argument("--seed", type=int, default=0)
+    add_limit(solve, None, "use only the first N problems")
+    add_out(solve, help="per-problem JSONL; summary goes to OUT.summary.json")
+    solve.add_argument("--max-tokens", type=int, default=1024, help="token budget of one chain")
+    solve.add_argument("--temperature", type=float, default=0.6)
+    solve.add_argument("--top-p", type=float, default=0.95)
+    add_seed(solve)
 
     cot = sub.add_parser(
-        "cot",
-        parents=[run],
-        help="chain of thought with probe-in-the-middle early exit",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "cot", parents=[solve], help="chain of thought with probe-in-the-middle early exit", epilog=EPILOG
     )
     cot.add_argument("--preset", default="mid", choices=list(PRESETS), help="(W, chunk): " + str(PRESETS))
     cot.add_argument("--window", type=int, help="override W: consecutive agreeing probes needed to exit")
@@ -179,13 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sc", _cmd_sc, "certaindex-adaptive self-consistency"),
         ("calibrate", _cmd_calibrate, "pick the certaindex threshold on a dev split"),
     ):
-        p = sub.add_parser(
-            name,
-            parents=[run],
-            help=text,
-            epilog=EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+        p = sub.add_parser(name, parents=[solve], help=text, epilog=EPILOG)
         p.add_argument("--max-samples", type=int, default=16)
         p.add_argument(
             "--step", type=int, default=4, help="samples drawn per round between certaindex checks"
@@ -209,8 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def _command(args: argparse.Namespace) -> None:
     if args.command == "serve":
         return args.func(args)
     problems = resolve_problems(args.data, args.limit)
@@ -218,5 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     args.func(args, backend, problems)
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(_command, build_parser(), argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,56 +2,66 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 from typing import Literal, get_args, get_origin
 
+from swiftkv.cliargs import (
+    ArgumentParser,
+    add_dtype,
+    add_force,
+    add_limit,
+    add_model,
+    add_out,
+    add_seed,
+    existing_path,
+    float_list,
+    run,
+    subcommands,
+)
+
 EPILOG = """examples:
-  python -m eval.serving.ranking traces MODEL out/traces --data sharegpt --n 2000 --max-new-tokens 512
-  python -m eval.serving.ranking train out/traces out/ranker --kind swiftkv-head            # x_{L//2} of the traces' model
-  python -m eval.serving.ranking train out/traces out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
-  python -m eval.serving.ranking train out/traces out/ranker-cls --objective buckets         # classification baseline
+  python -m eval.serving.ranking traces MODEL --out out/traces --data sharegpt --limit 2000 --max-new-tokens 512
+  python -m eval.serving.ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
+  python -m eval.serving.ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
+  python -m eval.serving.ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
   python -m eval.serving.ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
-  python -m eval.serving.ranking calibrate MODEL out/cost.json                               # measured step times
+  python -m eval.serving.ranking calibrate MODEL --out out/cost.json                              # measured step times
   python -m eval.serving.ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
 """
 
 
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     from .train import TrainConfig
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m eval.serving.ranking",
         description="Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = subcommands(parser)
 
     p = sub.add_parser(
         "traces", help="sample (prompt, output length) pairs from the target model (resumable)"
     )
-    p.add_argument("model")
-    p.add_argument("out")
+    add_model(p)
+    add_out(p, help="traces directory (a rerun continues it)")
     p.add_argument("--data", default="sharegpt", help="`sharegpt` or a JSONL of conversations")
-    p.add_argument("--n", type=int, default=2000, help="prompts in total (a rerun continues to this count)")
+    add_limit(p, 2000, "prompts in total (a rerun continues to this count)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="length cap (the label cap)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
+    add_dtype(p, "float32", TORCH_DTYPES)
+    add_seed(p)
 
     p = sub.add_parser("train", help="train a ranker on the training split and export it")
-    p.add_argument("traces", help="traces directory or JSONL with `prompt` and `output_len`")
-    p.add_argument("out")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    add_model(p, "traces", help="traces directory or JSONL with `prompt` and `output_len`")
+    add_out(p, help="ranker directory (complete or absent)")
+    add_force(p)
     for name, field in TrainConfig.model_fields.items():  # one flag per config field; pydantic validates
         annotation = field.annotation
         kind = (
@@ -64,51 +74,56 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     p = sub.add_parser("evaluate", help="Kendall's tau on held-out prompts (or --split all for new traces)")
-    p.add_argument("ranker")
-    p.add_argument("traces")
+    add_model(p, "ranker", help="ranker directory (from `train`)")
+    add_model(p, "traces", help="traces directory or JSONL")
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
-    p.add_argument("--out", help="also write the result as JSON")
+    add_out(p, help="also write the result as JSON", required=False)
 
     p = sub.add_parser(
         "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
     )
-    p.add_argument("model")
-    p.add_argument("out", help="JSON file")
+    add_model(p)
+    add_out(p, help="cost-model JSON to write")
     p.add_argument("--repeats", type=int, default=3)
+    add_dtype(p, "float32", TORCH_DTYPES)
 
     p = sub.add_parser("simulate", help="latency/throughput of FCFS, LTR-SJF and oracle SJF at Poisson rates")
-    p.add_argument("ranker")
-    p.add_argument("traces")
-    p.add_argument("--rate", type=_csv(float), default=[2.0, 8.0, 32.0], help="requests/s, comma separated")
-    p.add_argument("--policy", type=_csv(str), default=["fcfs", "ltr", "oracle"])
+    add_model(p, "ranker", help="ranker directory (from `train`)")
+    add_model(p, "traces", help="traces directory or JSONL")
+    p.add_argument("--rate", type=float_list, default=[2.0, 8.0, 32.0], help="requests/s, comma separated")
+    p.add_argument("--policy", type=_names, default=["fcfs", "ltr", "oracle"], help="comma separated")
     p.add_argument(
         "--requests", type=int, default=500, help="requests per rate (sampled from held-out traces)"
     )
-    p.add_argument("--cost-model", help="JSON from `calibrate` (default: SmolLM2 on a 2-core CPU)")
+    p.add_argument(
+        "--cost-model", type=existing_path, help="JSON from `calibrate` (default: SmolLM2 on a 2-core CPU)"
+    )
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--starvation-threshold", type=int, default=200)
     p.add_argument("--quantum", type=int, default=10)
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="also write the results as JSON")
+    add_seed(p)
+    add_out(p, help="also write the results as JSON", required=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _command(args) -> str | None:
     from swiftkv.artifacts import write_json_atomic
 
-    try:
-        if args.command == "traces":
-            from .traces import generate_traces
+    if args.command == "traces":
+        from .traces import generate_traces
 
-            path = generate_traces(
+        return str(
+            generate_traces(
                 args.model,
                 args.out,
                 args.data,
-                args.n,
+                args.limit,
                 args.max_new_tokens,
                 args.max_prompt_tokens,
                 args.batch_size,
@@ -116,33 +131,33 @@ def main(argv: list[str] | None = None) -> int:
                 args.seed,
                 args.dtype,
             )
-            print(path)
-        elif args.command == "train":
-            from .train import TrainConfig, train_ranker
+        )
+    if args.command == "train":
+        from .train import TrainConfig, train_ranker
 
-            options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
-            print(train_ranker(args.traces, args.out, TrainConfig(**options), force=args.force))
-        elif args.command == "evaluate":
-            from .train import evaluate_ranker
+        options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
+        return str(train_ranker(args.traces, args.out, TrainConfig(**options), force=args.force))
+    if args.command == "evaluate":
+        from .train import evaluate_ranker
 
-            result = evaluate_ranker(args.ranker, args.traces, args.split)
-            print(json.dumps(result, indent=2))
-            if args.out:
-                write_json_atomic(args.out, result)
-        elif args.command == "calibrate":
-            from dataclasses import asdict
+        result = evaluate_ranker(args.ranker, args.traces, args.split)
+        if args.out:
+            write_json_atomic(args.out, result)
+        return json.dumps(result, indent=2)
+    if args.command == "calibrate":
+        from dataclasses import asdict
 
-            from .simulator import calibrate_cost_model
+        from .simulator import calibrate_cost_model
 
-            cost = calibrate_cost_model(args.model, args.repeats)
-            write_json_atomic(args.out, {**asdict(cost), "model": args.model})
-            print(json.dumps(asdict(cost)))
-        else:
-            _simulate(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        cost = calibrate_cost_model(args.model, args.repeats, args.dtype)
+        write_json_atomic(args.out, {**asdict(cost), "model": str(args.model)})
+        return json.dumps(asdict(cost))
+    return _simulate(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(_command, build_parser(), argv)
 
 
 def _simulate(args) -> None:
@@ -178,4 +193,4 @@ def _simulate(args) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
+
+from swiftkv.cliargs import (
+    ArgumentParser,
+    add_force,
+    add_limit,
+    add_model,
+    add_out,
+    existing_path,
+    run,
+    subcommands,
+)
 
 from .cache import SpecConfig
 
 EPILOG = """examples:
-  python -m eval.serving.suffix build out/suffix-cache --data sharegpt --model MODEL_DIR --limit 2000
-  python -m eval.serving.suffix build out/suffix-cache --model MODEL_DIR --responses-from teacher-generations.jsonl
-  python -m eval.serving.suffix generate --model MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
+  python -m eval.serving.suffix build MODEL_DIR --out out/suffix-cache --data sharegpt --limit 2000
+  python -m eval.serving.suffix build MODEL_DIR --out out/suffix-cache --responses-from teacher-generations.jsonl
+  python -m eval.serving.suffix generate MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
   python -m eval.serving.suffix export-vllm out/suffix-cache > spec.json
   vllm serve MODEL_DIR --speculative-config "$(python -m eval.serving.suffix export-vllm out/suffix-cache)"
 """
@@ -39,54 +49,48 @@ def _spec_config(args: argparse.Namespace, base: dict | None = None) -> SpecConf
     return SpecConfig(**values)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m eval.serving.suffix",
         description="SuffixDecoding: build suffix caches, generate with them, export the vLLM config.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser(
-        "build",
-        help="build a global suffix tree from responses",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    b.add_argument("out", help="output directory (written complete or not at all)")
-    b.add_argument("--model", required=True, help="model (or tokenizer) directory whose tokenizer to use")
+    sub = subcommands(parser)
+    b = sub.add_parser("build", help="build a global suffix tree from responses", epilog=EPILOG)
+    add_model(b, help="model (or tokenizer) directory whose tokenizer to use")
+    add_out(b, help="output directory (written complete or not at all)")
     b.add_argument(
         "--data", default="sharegpt", help="ShareGPT-style JSONL or 'sharegpt' (assistant turns are used)"
     )
-    b.add_argument("--responses-from", help="JSONL of teacher generations to use instead of --data")
     b.add_argument(
-        "--limit", type=int, default=2000, help="conversations / generation records to read (default 2000)"
+        "--responses-from", type=existing_path, help="JSONL of teacher generations to use instead of --data"
     )
-    b.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    add_limit(b, 2000, "conversations / generation records to read")
+    add_force(b)
     _spec_args(b)
-    g = sub.add_parser(
-        "generate",
-        help="speculative greedy generation",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g.add_argument("--model", required=True)
+    g = sub.add_parser("generate", help="speculative greedy generation", epilog=EPILOG)
+    add_model(g)
     g.add_argument(
-        "--prompts", required=True, help='JSONL with {"prompt": str} or {"messages": [...]} per line'
+        "--prompts",
+        type=existing_path,
+        required=True,
+        help='JSONL with {"prompt": str} or {"messages": [...]} per line',
     )
-    g.add_argument("--cache", help="a built suffix cache (default: start empty)")
+    g.add_argument("--cache", type=existing_path, help="a built suffix cache (default: start empty)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     _spec_args(g)
     e = sub.add_parser("export-vllm", help="print the vLLM speculative_config JSON for a cache")
-    e.add_argument("cache")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    add_model(e, "cache", help="a built suffix cache")
+    return parser
 
+
+def _command(args: argparse.Namespace) -> str | None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     from . import stages
 
-    try:
-        if args.command == "build":
-            out = stages.build(
+    if args.command == "build":
+        return str(
+            stages.build(
                 args.out,
                 args.model,
                 args.data,
@@ -95,20 +99,20 @@ def main(argv: list[str] | None = None) -> int:
                 _spec_config(args),
                 args.force,
             )
-            print(out)
-        elif args.command == "generate":
-            base = stages.read_meta(args.cache)["config"] if args.cache else None
-            for record in stages.generate(
-                args.model, args.prompts, args.cache, args.max_new_tokens, _spec_config(args, base)
-            ):
-                print(json.dumps(record), flush=True)
-        else:
-            print(json.dumps(stages.export_vllm(args.cache)))
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        )
+    if args.command == "generate":
+        base = stages.read_meta(args.cache)["config"] if args.cache else None
+        for record in stages.generate(
+            args.model, args.prompts, args.cache, args.max_new_tokens, _spec_config(args, base)
+        ):
+            print(json.dumps(record), flush=True)
+        return None
+    return json.dumps(stages.export_vllm(args.cache))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_command, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -180,7 +180,7 @@ def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | Non
             raise ValueError(
                 f"suffix cache {path} was built with tokenizer {meta['tokenizer']['name_or_path']!r} "
                 f"(fingerprint {want[:12]}), but this tokenizer ({getattr(tokenizer, 'name_or_path', '?')!r}) is "
-                f"{have[:12]}; to resolve, rebuild the cache with --model set to this model"
+                f"{have[:12]}; to resolve, rebuild the cache for this model (`python -m eval.serving.suffix build MODEL`)"
             )
     tree_path = path / TREE_FILE
     if not tree_path.is_file() or sha256_file(tree_path) != meta["tree_sha256"]:
