@@ -1,14 +1,24 @@
-"""Rewrite a Hugging Face decoder checkpoint into SwiftKV form, tensor by tensor.
+"""Rewrite a Hugging Face decoder checkpoint into SwiftKV form, one safetensors shard at a time.
 
-The converter never instantiates the model: it streams the source safetensors shard by shard, casts them,
-and adds the new weights (ARCHITECTURE.md): ``norm_swiftkv`` = a copy of layer l's input_layernorm,
-``q_proj_swiftkv`` = a copy of q_proj, group leaders' ``k/v_proj_swiftkv`` = the mean of the group's k/v_proj.
-So memory stays at one shard, and a 70B checkpoint converts on a machine that could not load it.
+The converter never instantiates the model.  The new weights (ARCHITECTURE.md) are ``norm_swiftkv`` = a copy
+of layer l's input_layernorm, ``q_proj_swiftkv`` = a copy of q_proj, group leaders' ``k/v_proj_swiftkv`` =
+the mean of the group's k/v_proj.  Output shard i is source shard i (cast to ``dtype``) plus every new tensor
+whose inputs have all been read by then, so at any moment the converter holds exactly:
 
-The output is a normal HF folder: every original weight (the teacher), the new ones, config.json with the
-SwiftKV fields and ``auto_map``, the remote-code files (so stock transformers opens it with
+* the shard being rewritten (its tensors, read one by one and cast) and the new tensors written with it;
+* the inputs of new tensors still waiting for a later shard: the k/v_proj of an AcrossKV group whose layers
+  span shards (at most g - 1 layers' k and v) or layer l's input norm.  Nothing else of an earlier shard.
+
+So peak memory is the largest shard plus its new tensors (``scripts/bench_convert.py`` measures it), and a 70B
+checkpoint converts on a machine that could not load it.
+
+The output is a normal HF folder: every original weight (the teacher) and the new ones in standard shards
+(``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``), config.json
+with the SwiftKV fields and ``auto_map``, the remote-code files (so stock transformers opens it with
 ``trust_remote_code=True``), the tokenizer and generation files, and provenance.json.  Written to a temp
-folder and renamed; any refusal leaves nothing behind.
+folder and renamed.  Refused before anything is written: quantized sources (their scales would not follow the
+averaged and copied weights), sliding-window attention (SwiftKV layers attend over the whole prompt), missing
+or corrupt weights; any refusal leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -31,11 +41,20 @@ FAMILIES = {
     "llama": ("llama_swiftkv", "LlamaSwiftKVForCausalLM", "LlamaSwiftKVConfig"),
     "mistral": ("llama_swiftkv", "LlamaSwiftKVForCausalLM", "LlamaSwiftKVConfig"),  # same weights as Llama
     "qwen2": ("qwen2_swiftkv", "Qwen2SwiftKVForCausalLM", "Qwen2SwiftKVConfig"),
+    "qwen3": ("qwen3_swiftkv", "Qwen3SwiftKVForCausalLM", "Qwen3SwiftKVConfig"),
 }
+# families whose attention normalizes each query/key head (their SwiftKV layers get q/k_norm_swiftkv)
+HEAD_NORM_FAMILIES = ("qwen3_swiftkv",)
 REMOTE_CODE_FILES = ("configuration_swiftkv.py", "modeling_swiftkv.py")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # files of the source that are rewritten rather than copied
 _REWRITTEN = ("config.json", "model.safetensors.index.json", "provenance.json")
+# tensor names that only quantized checkpoints carry (FP8, GPTQ/AWQ, compressed-tensors)
+QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales")
+_QUANTIZED_FIX = (
+    "to resolve, dequantize first, or convert the unquantized checkpoint and serve it with vLLM's "
+    "online FP8 (--quantization fp8)"
+)
 
 
 class ConversionError(ValueError):
@@ -95,14 +114,21 @@ def swiftkv_config(base: dict, num_key_value_layers: int, group_size: int) -> di
         raise ConversionError(
             f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
         )
-    if model_type == "mistral" and base.get("sliding_window") is not None:
-        raise ConversionError(
-            "Mistral checkpoints with a sliding window are not supported (sliding_window must be null)"
+    quantization = base.get("quantization_config")
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
         )
-    if model_type == "qwen2" and base.get("use_sliding_window"):
-        raise ConversionError("Qwen2 checkpoints with use_sliding_window=true are not supported")
+        raise ConversionError(f"source is quantized ({method}); {_QUANTIZED_FIX}")
+    sliding = sliding_window_layers(base)
+    if sliding:
+        raise ConversionError(
+            f"source uses sliding-window attention ({sliding}), which SwiftKV does not support; to resolve, "
+            "convert a full-attention checkpoint (sliding_window null or >= max_position_embeddings)"
+        )
     swift_type, arch, _ = FAMILIES[model_type]
-    config = {k: v for k, v in base.items() if k not in ("sliding_window",) or model_type != "mistral"}
+    # Mistral maps onto Llama, which has no sliding window: drop the (null or unlimited) field
+    config = {k: v for k, v in base.items() if k != "sliding_window" or model_type != "mistral"}
     config.update(
         model_type=swift_type,
         architectures=[arch],
@@ -112,6 +138,29 @@ def swiftkv_config(base: dict, num_key_value_layers: int, group_size: int) -> di
         auto_map=auto_map(swift_type),
     )
     return config
+
+
+def sliding_window_layers(base: dict) -> str | None:
+    """Which layers of a base config.json attend through a sliding window (a short description), or None.
+
+    ``layer_types`` (transformers 5) names each layer's attention.  Qwen2-style configs (with
+    ``use_sliding_window``) slide only where it is true: the ``sliding_attention`` entries of ``layer_types``,
+    or, in older configs without it, layers >= ``max_window_layers``.  Mistral-style configs slide on every
+    layer whenever ``sliding_window`` is below ``max_position_embeddings``.
+    """
+    types = base.get("layer_types") or []
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
+    if sliding:
+        return f"layer_types marks {len(sliding)} layer(s) {types[sliding[0]]!r}"
+    window, max_positions = base.get("sliding_window"), base.get("max_position_embeddings")
+    if window is None or (max_positions is not None and window >= max_positions):
+        return None
+    if "use_sliding_window" not in base:
+        return f"sliding_window={window} < max_position_embeddings={max_positions}"
+    first = base.get("max_window_layers") or 0
+    if not base["use_sliding_window"] or types or first >= base.get("num_hidden_layers", 0):
+        return None
+    return f"use_sliding_window with sliding_window={window} on layers >= {first}"
 
 
 def auto_map(swiftkv_model_type: str) -> dict[str, str]:
@@ -142,40 +191,119 @@ def _weight_files(src: Path) -> list[Path]:
     )
 
 
+def _source_shards(src: Path) -> list[tuple[Path, list[str]]]:
+    """The source's weight files with their tensor names, read from the safetensors headers only.
+
+    Refuses quantized weights here, before any work: names that only quantized checkpoints carry, or
+    float8 tensors.
+    """
+    shards = []
+    for path in _weight_files(src):
+        try:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+                float8 = [k for k in names if f.get_slice(k).get_dtype().startswith("F8")]
+        except Exception as e:  # safetensors raises its own error types for truncated or garbled files
+            raise ConversionError(
+                f"weights file {path} is corrupt or truncated ({type(e).__name__}: {e})"
+            ) from None
+        quantized = [k for k in names if k.endswith(QUANTIZED_SUFFIXES)] + float8
+        if quantized:
+            raise ConversionError(
+                f"source weights are quantized ({quantized[0]} in {path.name}); {_QUANTIZED_FIX}"
+            )
+        shards.append((path, names))
+    return shards
+
+
 def _load_shard(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every tensor of one shard, each cast as it is read (one uncast tensor at a time)."""
     try:
         with safe_open(path, framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            tensors = {}
+            for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = f.get_tensor(k)
+                tensors[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            return tensors
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
         raise ConversionError(
             f"weights file {path} is corrupt or truncated ({type(e).__name__}: {e})"
         ) from None
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return tensors
 
 
-def swiftkv_weights(get, num_layers: int, num_key_value_layers: int, group_size: int, has_bias: bool):
-    """The new SwiftKV tensors, initialized as the design says, from a name -> tensor getter."""
+def swiftkv_sources(
+    num_layers: int, num_key_value_layers: int, group_size: int, has_bias: bool, head_norms: bool = False
+) -> dict[str, tuple[str, ...]]:
+    """Each new SwiftKV tensor and the base tensors it starts from (one: a copy; several: their mean)."""
     l, out = num_key_value_layers, {}
     # with l = L there is no layer l: the (unused) norm then starts as the final norm, which x_L feeds
     norm = f"model.layers.{l}.input_layernorm.weight" if l < num_layers else "model.norm.weight"
-    out["model.norm_swiftkv.weight"] = get(norm).clone()
+    out["model.norm_swiftkv.weight"] = (norm,)
     suffixes = ("weight", "bias") if has_bias else ("weight",)
     for j in range(l, num_layers):
         for s in suffixes:
-            out[f"model.layers.{j}.self_attn.q_proj_swiftkv.{s}"] = get(
-                f"model.layers.{j}.self_attn.q_proj.{s}"
-            ).clone()
+            out[f"model.layers.{j}.self_attn.q_proj_swiftkv.{s}"] = (
+                f"model.layers.{j}.self_attn.q_proj.{s}",
+            )
     for leader in range(l, num_layers, group_size):
         for proj in ("k_proj", "v_proj"):
             for s in suffixes:
-                group = [
-                    get(f"model.layers.{j}.self_attn.{proj}.{s}") for j in range(leader, leader + group_size)
-                ]
-                mean = torch.stack([t.float() for t in group]).mean(0).to(group[0].dtype)
-                out[f"model.layers.{leader}.self_attn.{proj}_swiftkv.{s}"] = mean
+                out[f"model.layers.{leader}.self_attn.{proj}_swiftkv.{s}"] = tuple(
+                    f"model.layers.{j}.self_attn.{proj}.{s}" for j in range(leader, leader + group_size)
+                )
+    if head_norms:  # q_norm_swiftkv = a copy of q_norm, a leader's k_norm_swiftkv = the group's mean k_norm
+        for j in range(l, num_layers):
+            out[f"model.layers.{j}.self_attn.q_norm_swiftkv.weight"] = (
+                f"model.layers.{j}.self_attn.q_norm.weight",
+            )
+        for leader in range(l, num_layers, group_size):
+            out[f"model.layers.{leader}.self_attn.k_norm_swiftkv.weight"] = tuple(
+                f"model.layers.{j}.self_attn.k_norm.weight" for j in range(leader, leader + group_size)
+            )
     return out
+
+
+def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of one tensor, or the mean of several (accumulated in float32, cast back)."""
+    if len(tensors) == 1:
+        return tensors[0].clone()
+    return torch.stack([t.float() for t in tensors]).mean(0).to(tensors[0].dtype)
+
+
+def swiftkv_weights(
+    get, num_layers: int, num_key_value_layers: int, group_size: int, has_bias: bool, head_norms: bool = False
+):
+    """The new SwiftKV tensors, initialized as the design says, from a name -> tensor getter."""
+    recipe = swiftkv_sources(num_layers, num_key_value_layers, group_size, has_bias, head_norms)
+    return {name: combine([get(k) for k in sources]) for name, sources in recipe.items()}
+
+
+def _write_shards(
+    tmp: Path, shards: list[tuple[Path, list[str]]], recipe: dict[str, tuple[str, ...]], dtype
+) -> tuple[dict[str, str], int]:
+    """Write output shard i = source shard i + the new tensors its reading completes.
+
+    Returns the weight map (tensor -> file) and the total bytes written, for the index.
+
+    ``held`` keeps, across shards, only the inputs of new tensors that still wait for a later shard.
+    """
+    users: dict[str, set[str]] = {}
+    for name, sources in recipe.items():
+        for k in sources:
+            users.setdefault(k, set()).add(name)
+    todo, held, weight_map, total_size = dict(recipe), {}, {}, 0
+    for i, (path, _) in enumerate(shards, 1):
+        tensors = _load_shard(path, dtype)
+        held.update((k, v) for k, v in tensors.items() if k in users)
+        for name in [n for n, sources in todo.items() if all(k in held for k in sources)]:
+            tensors[name] = combine([held[k] for k in todo.pop(name)])
+        held = {k: v for k, v in held.items() if users[k] & todo.keys()}
+        out = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, tmp / out, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, out))
+        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors  # before the next shard is read
+    return weight_map, total_size
 
 
 def to_swiftkv(base, num_key_value_layers: int, group_size: int = 1):
@@ -193,6 +321,7 @@ def to_swiftkv(base, num_key_value_layers: int, group_size: int = 1):
         num_key_value_layers,
         group_size,
         has_bias=base.model.layers[0].self_attn.q_proj.bias is not None,
+        head_norms=config.model_type in HEAD_NORM_FAMILIES,
     )
     model.load_state_dict({**state, **new}, strict=True, assign=True)
     model.model.rotary_emb = base.model.rotary_emb  # non-persistent buffers are not in the state dict
@@ -249,42 +378,26 @@ def convert(
         raise ConversionError(f"source config {src / 'config.json'} has no integer num_hidden_layers")
     l = resolve_num_key_value_layers(num_layers, num_key_value_layers, swiftkv_fraction, group_size)
     config = swiftkv_config(base, l, group_size)
-    files = _weight_files(src)
-    check_destination(dst, force)
+    shards = _source_shards(src)
     torch_dtype = DTYPES[dtype]
     if torch_dtype is not None:
         config["dtype"] = dtype
     has_bias = config["model_type"] == "qwen2_swiftkv" or bool(base.get("attention_bias"))
+    recipe = swiftkv_sources(num_layers, l, group_size, has_bias, config["model_type"] in HEAD_NORM_FAMILIES)
+    present = {k for _, names in shards for k in names}
+    missing = sorted({k for sources in recipe.values() for k in sources} - present)
+    if missing:
+        raise ConversionError(
+            f"source weights lack {missing[0]}; the checkpoint does not match its config.json"
+        )
+    check_destination(dst, force)
 
     with atomic_output_dir(dst, force=force) as tmp:
-        weight_map: dict[str, str] = {}
-        needed: dict[str, torch.Tensor] = {}
-        total = len(files) + (len(files) > 1)
-        for i, path in enumerate(files, 1):
-            tensors = _load_shard(path, torch_dtype)
-            name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            needed.update({k: v for k, v in tensors.items() if ".self_attn." in k or "norm" in k})
-            if total > 1:
-                save_file(tensors, tmp / name, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(tensors, name))
-                del tensors
-
-        def get(key: str) -> torch.Tensor:
-            if key not in needed:
-                raise ConversionError(
-                    f"source weights lack {key}; the checkpoint does not match its config.json"
-                )
-            return needed[key]
-
-        new = swiftkv_weights(get, num_layers, l, group_size, has_bias)
-        if total == 1:
-            save_file({**tensors, **new}, tmp / "model.safetensors", metadata={"format": "pt"})
-        else:
-            name = f"model-{total:05d}-of-{total:05d}.safetensors"
-            save_file(new, tmp / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(new, name))
+        weight_map, total_size = _write_shards(tmp, shards, recipe, torch_dtype)
+        if len(shards) > 1:
             write_json_atomic(
-                tmp / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map}
+                tmp / "model.safetensors.index.json",
+                {"metadata": {"total_size": total_size}, "weight_map": weight_map},
             )
 
         for extra in src.iterdir():  # tokenizer, chat template, generation config, ...

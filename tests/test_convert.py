@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_base
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import swiftkv.convert  # registers the Auto classes too
@@ -71,15 +71,61 @@ def test_qwen2_biases_get_twins(tmp_path):
     ]
 
 
-def test_sharded_source_and_dtype(tmp_path):
+def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize(
+    "family,l,g,dtype",
+    [
+        ("llama", 2, 2, "auto"),
+        ("llama", 2, 4, "float16"),
+        ("llama", 3, 1, "bfloat16"),
+        ("llama", 6, 1, "auto"),  # l = L: the norm starts as the final norm
+        ("qwen2", 3, 3, "bfloat16"),  # biases, and a group spanning several shards
+    ],
+)
+def test_sharded_source_streams_to_the_formulas(tmp_path, family, l, g, dtype):
+    """Layers span shards (40 KB each): every output tensor equals the design formula on the source."""
     src = tmp_path / "sharded"
-    tiny_base("llama").save_pretrained(src, max_shard_size="100KB")
-    assert (src / "model.safetensors.index.json").is_file()
-    dst = swiftkv.convert.convert(src, tmp_path / "swift", num_key_value_layers=3, dtype="bfloat16")
-    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
-    assert design_keys(3, 1) <= set(index)
-    model = AutoModelForCausalLM.from_pretrained(dst)
-    assert model.model.layers[4].self_attn.q_proj_swiftkv.weight.dtype == torch.bfloat16
+    tiny_base(family).save_pretrained(src, max_shard_size="40KB")
+    source_files = sorted(src.glob("*.safetensors"))
+    assert len(source_files) > L  # so a layer's tensors and an AcrossKV group's layers span shards
+    dst = swiftkv.convert.convert(src, tmp_path / "swift", num_key_value_layers=l, group_size=g, dtype=dtype)
+
+    cast = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    base = {k: v.to(cast) if cast else v for k, v in _load_dir(src).items()}
+    expected = dict(base)
+    attn = "model.layers.{}.self_attn.{}.{}"
+    expected["model.norm_swiftkv.weight"] = base[
+        f"model.layers.{l}.input_layernorm.weight" if l < L else "model.norm.weight"
+    ]
+    for s in ("weight", "bias") if family == "qwen2" else ("weight",):
+        for j in range(l, L):
+            expected[attn.format(j, "q_proj_swiftkv", s)] = base[attn.format(j, "q_proj", s)]
+        for leader in range(l, L, g):
+            for p in ("k_proj", "v_proj"):
+                group = [base[attn.format(j, p, s)].float() for j in range(leader, leader + g)]
+                mean = torch.stack(group).mean(0).to(base[attn.format(leader, p, s)].dtype)
+                expected[attn.format(leader, f"{p}_swiftkv", s)] = mean
+    out = _load_dir(dst)
+    assert set(out) == set(expected) and set(out) - set(base) == design_keys(l, g, family == "qwen2")
+    for k, v in expected.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+    # standard shards: one output shard per source shard, an index naming every tensor's file
+    names = [f"model-{i:05d}-of-{len(source_files):05d}.safetensors" for i in range(1, len(source_files) + 1)]
+    assert sorted(p.name for p in dst.glob("*.safetensors")) == names
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for name in names:
+        assert {k for k, f in index["weight_map"].items() if f == name} == set(load_file(dst / name))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    if dtype == "bfloat16":
+        model = AutoModelForCausalLM.from_pretrained(dst)
+        assert model.model.layers[4].self_attn.q_proj_swiftkv.weight.dtype == torch.bfloat16
 
 
 def test_trust_remote_code_in_a_process_that_never_imports_the_package(tiny_llama_dir, tmp_path):
@@ -211,10 +257,94 @@ def test_mistral_style_checkpoint_maps_onto_llama(tmp_path, capsys):
     ids = torch.randint(3, 128, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, base(ids).logits, atol=1e-5, rtol=0)
-    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
-    argv = ["convert", str(tmp_path / "mistral"), str(tmp_path / "b"), "--swiftkv-fraction", "0.5"]
-    assert "sliding window are not supported" in refused(capsys, argv)
+    # a window at least as long as the context slides nothing: converted, and the field dropped (Llama)
+    _edit_config(tmp_path / "mistral", sliding_window=256)
+    dst = swiftkv.convert.convert(tmp_path / "mistral", tmp_path / "unlimited", num_key_value_layers=4)
+    assert "sliding_window" not in json.loads((dst / "config.json").read_text())
+
+
+def _edit_config(src: Path, **fields) -> None:
+    """Set config.json fields; a field set to None is removed."""
+    config = {**json.loads((src / "config.json").read_text()), **fields}
+    (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+@pytest.mark.parametrize(
+    "family,fields,detail",
+    [
+        ("mistral", {"sliding_window": 16}, "sliding_window=16 < max_position_embeddings=256"),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2},
+            "'sliding_attention'",
+        ),
+        # an older Qwen2 config.json (no layer_types): layers >= max_window_layers slide
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2, "layer_types": None},
+            "use_sliding_window with sliding_window=16 on layers >= 2",
+        ),
+        ("llama", {"layer_types": ["full_attention"] * 5 + ["sliding_attention"]}, "marks 1 layer(s)"),
+    ],
+)
+def test_sliding_window_sources_are_refused(tmp_path, capsys, family, fields, detail):
+    from conftest import TINY
+    from transformers import AutoConfig
+
+    src = tmp_path / family
+    if family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).save_pretrained(src)
+    else:
+        tiny_base(family).save_pretrained(src)
+    if family == "qwen2" and "layer_types" not in fields:  # what transformers itself writes for these
+        fields = {**fields, "layer_types": AutoConfig.for_model("qwen2", **TINY, **fields).layer_types}
+    _edit_config(src, **fields)
+    err = refused(capsys, ["convert", str(src), str(tmp_path / "out"), "--swiftkv-fraction", "0.5"])
+    assert "uses sliding-window attention" in err and detail in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen2_with_sliding_window_on_no_layer_converts(tmp_path):
+    src = tmp_path / "qwen"
+    tiny_base("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=6).save_pretrained(src)
+    assert "sliding_attention" not in json.loads((src / "config.json").read_text())["layer_types"]
+    swiftkv.convert.convert(src, tmp_path / "swift", swiftkv_fraction=0.5)
+
+
+def _fp8_checkpoint(src: Path, with_config: bool) -> None:
+    """A tiny checkpoint laid out like an FP8 (compressed) export: float8 weights with per-tensor scales."""
+    state = load_file(src / "model.safetensors")
+    for name in [k for k in state if k.endswith("_proj.weight")]:
+        state[name] = state[name].to(torch.float8_e4m3fn)
+        state[name.replace(".weight", ".weight_scale")] = torch.ones(())
+        state[name.replace(".weight", ".input_scale")] = torch.ones(())
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    if with_config:
+        _edit_config(src, quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
+
+
+def _scales_only(src: Path) -> None:
+    state = load_file(src / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(())
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "prepare,detail",
+    [
+        (lambda s: _fp8_checkpoint(s, with_config=True), "source is quantized (fp8)"),
+        (lambda s: _fp8_checkpoint(s, with_config=False), "source weights are quantized ("),
+        (_scales_only, "quantized (model.layers.0.self_attn.q_proj.weight_scale in model.safetensors)"),
+    ],
+)
+def test_quantized_sources_are_refused(tiny_llama_dir, tmp_path, capsys, prepare, detail):
+    prepare(tiny_llama_dir)
+    dst = tmp_path / "out"
+    err = refused(capsys, ["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.5"])
+    assert detail in err and "to resolve, dequantize first" in err and "--quantization fp8" in err
+    assert not dst.exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_info_prints_layout_and_savings(tiny_llama_dir, tmp_path, capsys):
