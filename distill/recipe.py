@@ -66,7 +66,15 @@ class DataSource(_Section):
     path: str = Field(
         description="'sharegpt', a local .json/.jsonl/.parquet/.txt file, or a hub dataset name"
     )
-    format: Literal["conversations", "text"] = Field("conversations", description="chat turns or plain text")
+    format: Literal["auto", "sharegpt", "messages", "openorca", "acemath", "lmsys", "text"] = Field(
+        "auto",
+        description="column layout (distill.data.LAYOUTS): sharegpt (conversations: from/value), messages "
+        "(messages: role/content), openorca (system_prompt, question, response), acemath (messages with the "
+        "user turn + answer), lmsys (conversation: role/content), text (text); auto: detected from the columns",
+    )
+    gated: bool = Field(
+        False, description="a gated hub dataset: refused before any work unless a Hugging Face token is set"
+    )
     split: str = Field("train", description="split of a hub dataset")
     weight: float = Field(1.0, gt=0, description="relative share of this source in the mix")
     max_samples: int | None = Field(None, ge=1, description="take at most this many samples from the source")
@@ -81,6 +89,15 @@ class DataSection(_Section):
     loss_on: Literal["assistant", "all"] = Field("assistant", description="which tokens the loss counts")
     holdout: float = Field(0.02, ge=0, lt=1, description="fraction held out for evaluation")
     seed: int = 0
+    num_proc: int | None = Field(
+        None, ge=1, description="tokenizing processes (default: one per 10k rows, at most min(16, CPUs))"
+    )
+    cache_dir: str | None = Field(None, description="datasets cache folder (default: HF_DATASETS_CACHE)")
+    tokenize_timeout_minutes: int = Field(
+        120,
+        ge=1,
+        description="process-group timeout: other ranks wait this long for the main one to tokenize",
+    )
 
 
 class LossSection(_Section):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
@@ -36,7 +36,7 @@ from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
-from .data import build_datasets
+from .data import build_datasets, check_sources, collate_rows
 from .objective import DistillationObjective
 from .recipe import Recipe
 
@@ -223,6 +223,7 @@ def setup(recipe: Recipe) -> Run:
         ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)
     out = Path(recipe.output_dir)
+    check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     source = converted_source(recipe, accelerator)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with accelerator.main_process_first():
@@ -232,16 +233,14 @@ def setup(recipe: Recipe) -> Run:
     model = select_trainable(
         load_model(recipe, initialized_source(recipe, accelerator, source, train_rows, tokenizer)), recipe
     )
-    keys = ("input_ids", "position_ids", "loss_mask")
-    train_loader = DataLoader(
-        TensorDataset(*(train_rows[k] for k in keys)),
+    train_loader = DataLoader(  # rows stay in the datasets cache (Arrow, memory-mapped), read row by row
+        train_rows,
         batch_size=recipe.train.micro_batch_size,
         shuffle=True,
         generator=torch.Generator().manual_seed(recipe.data.seed),
+        collate_fn=collate_rows,
     )
-    eval_loader = DataLoader(
-        TensorDataset(*(eval_rows[k] for k in keys)), batch_size=recipe.train.micro_batch_size
-    )
+    eval_loader = DataLoader(eval_rows, batch_size=recipe.train.micro_batch_size, collate_fn=collate_rows)
     objective = DistillationObjective(model, recipe.loss, recipe.train.shared_lower_layers)
     params = [p for p in objective.parameters() if p.requires_grad]
     if recipe.optim.type == "adarevision":
