@@ -112,3 +112,25 @@ def test_a_planned_zero3_job_launches_and_trains(tiny_chat_model, chat_data, tmp
     steps = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == [1, 2]
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_every_reallocation_costs_a_restart_and_new_baselines_run():
+    """A job that only scales up (same type, more GPUs) still loses its restart time; the elastic and tuned
+    baselines finish every job of a trace."""
+    from distill.cluster.simulator import simulate
+    from distill.cluster.trace import TraceJob, generate_trace
+
+    cluster = Cluster.model_validate(
+        {"gpu_types": [{"name": "g", "nodes": 1, "gpus_per_node": 4, "memory_gb": 80}]}
+    )
+    job = TraceJob("j", 0.0, "small", 0.0, 1, 4, 64, 0.0, 0.0, 120.0, 0.1, {"g": 1.0})
+    job.work = 4.0 * 3600  # hours of work on 4 GPUs with no communication: an elastic policy scales it up
+    res = simulate(cluster, [job], "sia", round_s=60.0)
+    segments = sorted(res.segments, key=lambda s: s.start)
+    assert segments[0].start == pytest.approx(job.restart_s)  # the first start pays it too
+    moves = [(a, b) for a, b in zip(segments, segments[1:]) if a.config != b.config]
+    assert any(b.config.gpus > a.config.gpus for a, b in moves)  # it was scaled up at least once
+    assert all(b.start - a.end >= job.restart_s - 1e-9 for a, b in moves)
+    trace = generate_trace(MIXED, num_jobs=12, hours=1.0, seed=1)
+    for policy in ("pollux", "gavel-tuned"):
+        assert not simulate(MIXED, trace, policy, 60.0).unfinished

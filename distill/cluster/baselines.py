@@ -1,7 +1,13 @@
-"""Baseline policies with fixed GPU requests: a Gavel-like max-sum-throughput ILP and strict FIFO.
+"""Baseline policies: a Gavel-like max-sum-throughput ILP, strict FIFO, and a Pollux-like elastic policy.
 
-Both keep each job at the GPU count the user requested and only choose the GPU type (and, for the
-Gavel-like policy, who runs this round).  Gavel's max-sum-throughput objective is Σ normalized throughput,
+Gavel and FIFO keep each job at the GPU count it requested and only choose the GPU type (and, for the
+Gavel-like policy, who runs this round); the simulator's ``gavel-tuned`` gives Gavel requests tuned per job
+with knowledge of the true scaling curve (``TraceJob.tuned_gpus``), the strongest fixed-size baseline.  The
+Pollux-like policy is elastic: it chooses every job's GPU count each round by the same goodput ILP as Sia,
+with Pollux's fairness exponent p = −1 and the same restart factor, but it is blind to GPU types (a job's
+goodput on N GPUs is its mean estimate over the types, so the type is whatever has room).  Jobs here keep
+their global batch (distillation rescales gradient accumulation), so goodput is throughput and Pollux's
+batch-size adaptation has nothing to adapt.  Gavel's max-sum-throughput objective is Σ normalized throughput,
 each job's throughput on a type divided by its best type, so every job counts the same; a tiny bonus for
 the current type avoids needless migrations and an even tinier one for age breaks ties toward older
 jobs.  FIFO starts jobs in arrival order on the fastest type with room, never preempts, and stops at the
@@ -13,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .configs import Config
-from .sia import assignment_constraints
+from .sia import Problem, assignment_constraints, goodput_matrix, solve
 from .spec import Cluster
 from .state import JobState
 
@@ -81,3 +87,20 @@ def fifo_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | No
         out[s.name] = c
         free[c.gpu_type] -= c.gpus
     return out
+
+
+POLLUX_P = -1.0
+
+
+def pollux_policy(jobs: list[JobState], cluster: Cluster) -> dict[str, Config | None]:
+    """Elastic, heterogeneity-blind: Sia's ILP on type-averaged goodput with p = −1."""
+    problem = goodput_matrix(jobs, cluster)
+    blind = problem.goodput.copy()
+    counts = np.array([c.gpus for c in problem.configs])
+    for i in range(len(jobs)):
+        for n in np.unique(counts):
+            cols = (counts == n) & (blind[i] > 0)
+            if cols.any():
+                blind[i, cols] = blind[i, cols].mean()
+    choice = solve(Problem(jobs, problem.configs, blind), cluster, p=POLLUX_P)
+    return {s.name: None if j is None else problem.configs[j] for s, j in zip(jobs, choice, strict=True)}

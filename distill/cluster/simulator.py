@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .baselines import fifo_policy, gavel_policy
+from .baselines import fifo_policy, gavel_policy, pollux_policy
 from .configs import Config
 from .placer import place
 from .sia import sia_policy
@@ -26,7 +26,15 @@ from .state import JobState
 from .trace import TraceJob
 
 Policy = Callable[[list[JobState], Cluster], dict[str, Config | None]]
-POLICIES: dict[str, Policy] = {"sia": sia_policy, "gavel": gavel_policy, "fifo": fifo_policy}
+POLICIES: dict[str, Policy] = {
+    "sia": sia_policy,
+    "pollux": pollux_policy,
+    "gavel": gavel_policy,
+    "gavel-tuned": gavel_policy,
+    "fifo": fifo_policy,
+}
+TUNED = {"gavel-tuned"}
+"""Policies whose fixed requests are tuned per job (``TraceJob.tuned_gpus``) instead of the user's request."""
 
 
 def get_policy(name: str) -> Policy:
@@ -110,7 +118,8 @@ def simulate(
             now = math.ceil(pending[0].arrival_s / round_s) * round_s
         while pending and pending[0].arrival_s <= now:
             t = pending.pop(0)
-            s = JobState(_job_spec(t), arrival_s=t.arrival_s, requested_gpus=t.requested_gpus)
+            request = t.tuned_gpus(cluster) if policy in TUNED else t.requested_gpus
+            s = JobState(_job_spec(t), arrival_s=t.arrival_s, requested_gpus=request)
             _profile(s, t, cluster)
             states[t.name], done_work[t.name], delay[t.name] = s, 0.0, 0.0
         active = list(states.values())

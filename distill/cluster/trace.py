@@ -7,6 +7,8 @@ the policies never see directly:
     t_iter(N GPUs of type A on n nodes) = batch / (N · thr1_A) + c · 2(N − 1)/N,
     c = comm_intra_s on one node, comm_inter_s across nodes;  throughput = batch / t_iter.
 
+A restart (any change of allocation: start, migration, scale up or down) costs 30-90 s times (1 + the model's
+billions of parameters), the time to reload the checkpoint and re-initialize the engine.
 Per-type 1-GPU speed grows with the type's ``tflops`` to a per-category power (small, memory-bound models
 gain little from faster GPUs; large ones gain most), so the best GPU type differs between jobs.  Because
 communication does not speed up with the GPU, fast types scale worse, so Sia's shared-shape rule is only
@@ -51,6 +53,20 @@ class TraceJob:
     student_params_b: float
     thr1: dict[str, float]
 
+    def tuned_gpus(self, cluster: Cluster, min_efficiency: float = 0.8) -> int:
+        """The GPU count an expert would request: on the job's fastest type, the largest configuration whose
+        scaling efficiency thr(N) / (N · thr(1)) stays ≥ ``min_efficiency`` (the knee; within ``max_gpus``)."""
+        from .configs import type_configs
+
+        gpu = cluster.type(max(self.thr1, key=self.thr1.get))
+        ones = self.throughput(Config(gpu.name, 1, 1))
+        sizes = [
+            c.gpus
+            for c in type_configs(gpu)
+            if c.gpus <= self.max_gpus and self.throughput(c) >= min_efficiency * c.gpus * ones
+        ]
+        return max(sizes, default=1)
+
     def throughput(self, config: Config) -> float:
         """True samples/s on ``config``."""
         n = config.gpus
@@ -91,7 +107,8 @@ def generate_trace(
             batch=batch,
             comm_intra_s=c_in * float(rng.uniform(0.7, 1.3)),
             comm_inter_s=c_out * float(rng.uniform(0.7, 1.3)),
-            restart_s=float(rng.uniform(30, 90)),
+            restart_s=float(rng.uniform(30, 90))
+            * (1 + params),  # checkpoint load + engine init grow with size
             student_params_b=params,
             thr1=thr1,
         )
