@@ -4,12 +4,14 @@ A probe ends with ``\\boxed{`` and the model completes the box, so its answer is
 *unmatched* closing brace (nested ``\\frac{1}{2}`` braces are kept); a probe that never closes the box has
 no answer (empty string).  Two answers are equal when their normalized strings match, or when both parse as
 numbers (fractions, percentages, thousands separators) that are close, or as sympy expressions whose
-difference simplifies to zero.  Hesitation words are matched as whole words ("no" does not match "know").
+difference simplifies to zero.  Answers are untrusted text: the expressions come from the whitelist parser of
+:mod:`.mathparse` (sympy constructors, never ``parse_expr``/``sympify``), so code-shaped answers compare as
+plain strings.  Hesitation words are matched as whole words ("no" does not match "know").
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import re
 from fractions import Fraction
 
@@ -91,58 +93,70 @@ def normalize(answer: str) -> str:
     return s
 
 
-def _as_number(s: str) -> float | None:
+_DECIMAL_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_FRAC_RE = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}")
+
+
+def _as_number(s: str) -> Fraction | None:
+    """Exact value of a decimal, ``a/b``, ``\\frac{a}{b}``, optionally with ``%``; None for anything else (a
+    pattern first: ``Fraction`` alone would also read ``1e999999999`` and build that integer)."""
     percent = s.endswith("%")
-    s = s.rstrip("%")
-    frac = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(\d+)\}", s)
+    s = s.removesuffix("%")
+    frac = _FRAC_RE.fullmatch(s)
     try:
         if frac:
-            value = float(Fraction(int(frac.group(2)), int(frac.group(3))))
+            value = Fraction(int(frac.group(2)), int(frac.group(3)))
             value = -value if frac.group(1) else value
+        elif _DECIMAL_RE.fullmatch(s):
+            value = Fraction(s)
         else:
-            value = float(Fraction(s))
-    except (ValueError, ZeroDivisionError):
+            return None
+    except (ValueError, ZeroDivisionError):  # a zero denominator, or more digits than int() reads
         return None
     return value / 100 if percent else value
 
 
-def _latex_to_sympy(s: str) -> str:
-    for _ in range(4):  # nested fractions
-        s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
-    s = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
-    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi").replace("^", "**")
-    return s.replace("{", "(").replace("}", ")")
+def _close(a: Fraction, b: Fraction) -> bool:
+    """``math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)`` in exact arithmetic (no float overflow)."""
+    return abs(a - b) <= max(Fraction(1, 10**6) * max(abs(a), abs(b)), Fraction(1, 10**9))
 
 
 def _symbolic_equal(a: str, b: str) -> bool:
     if max(len(a), len(b)) > _MAX_SYMPY_CHARS:
         return False
     import sympy
-    from sympy.parsing.sympy_parser import (
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
 
-    transformations = (*standard_transformations, implicit_multiplication_application)
+    from .mathparse import ParseError, parse_math  # sympy loads on the first symbolic comparison only
+
     try:
-        ea = parse_expr(_latex_to_sympy(a), transformations=transformations, evaluate=True)
-        eb = parse_expr(_latex_to_sympy(b), transformations=transformations, evaluate=True)
+        ea, eb = parse_math(a), parse_math(b)
+    except ParseError:
+        return False
+
+    try:
         return bool(sympy.simplify(ea - eb) == 0)
-    except Exception:  # sympy raises many exception types on unparsable text; unparsable means "not equal"
+    except (TypeError, ValueError, ArithmeticError, RecursionError):  # e.g. nan or zoo inside the difference
         return False
 
 
 def answers_equal(a: str, b: str) -> bool:
-    """Normalized string equality, else numeric closeness, else sympy equality; empty never equals anything."""
+    """Normalized string equality, else numeric closeness, else sympy equality; empty never equals anything.
+
+    Cached on the (unordered) pair of normalized strings: self-consistency rounds and calibration compare
+    the same answers again and again."""
     na, nb = normalize(a), normalize(b)
+    return _equal_normalized(*sorted((na, nb)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _equal_normalized(na: str, nb: str) -> bool:
     if not na or not nb:
         return False
     if na == nb:
         return True
     va, vb = _as_number(na), _as_number(nb)
     if va is not None and vb is not None:
-        return math.isclose(va, vb, rel_tol=1e-6, abs_tol=1e-9)
+        return _close(va, vb)
     if re.search(r"[0-9a-z]", na) is None or re.search(r"[0-9a-z]", nb) is None:
         return False
     return _symbolic_equal(na, nb)
