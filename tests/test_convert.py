@@ -365,3 +365,20 @@ def test_info_prints_layout_and_savings(tiny_llama_dir, tmp_path, capsys):
     assert "layers 0..1 normal; layers 2..5 SwiftKV (4 layers, 67%), group size 2 -> 2 KV groups" in out
     assert "original 768, SwiftKV 512 (66.7%)" in out  # 6 vs 2 + 2 slots of 2 x 2 heads x 16 dims x 2 bytes
     assert len([line for line in out.splitlines() if line.strip().startswith(("64 ", "128 "))]) == 2
+
+
+@pytest.mark.slow
+def test_peak_memory_is_one_shard_not_every_layers_attention(tmp_path):
+    """scripts/bench_convert.py on a 24-shard checkpoint: the conversion holds about one shard, not the
+    216 MiB of attention and norm tensors that the converter once kept until the end."""
+    out = tmp_path / "convert.json"
+    shape = "--layers 24 --hidden 768 --heads 12 --kv-heads 12 --intermediate 256 --vocab 512 --shard-mb 12"
+    cmd = [sys.executable, "scripts/bench_convert.py", *shape.split(), "--dtype", "float32"]
+    cmd += ["--work", str(tmp_path), "--out", str(out)]
+    result = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    r = json.loads(out.read_text())["result"]
+    bound = 2 * r["largest_shard_bytes"] + 24 * 2**20  # the shard, its new tensors, a pending group, noise
+    assert r["shards"] == 25 and r["attention_norm_bytes"] > 4 * bound
+    assert r["conversion_rss_bytes"] <= bound, r
+    assert not list(tmp_path.glob("bench-convert-*"))  # the benchmark cleans up
