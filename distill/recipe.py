@@ -132,12 +132,27 @@ class TrainSection(_Section):
     epochs: float = Field(1.0, gt=0)
     trainable: Literal["swiftkv", "lora", "all"] = Field(
         "swiftkv",
-        description="swiftkv: norm/q/k/v_proj_swiftkv (the paper); lora: LoRA on them; all: ablation",
+        description="swiftkv: norm/q/k/v_proj_swiftkv (the paper); lora: LoRA on them; all: refused (see below)",
     )
     lora: LoraOptions = LoraOptions()
     shared_lower_layers: bool = Field(True, description="compute layers < l once for teacher and student")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward (the GPU recipes need it)"
+    )
     mixed_precision: Literal["no", "bf16"] = "no"
     seed: int = 0
+
+    @field_validator("trainable")
+    @classmethod
+    def _fixed_teacher(cls, v: str) -> str:
+        # the teacher is the same live weights in original mode: training all of them moves the teacher too,
+        # and a frozen copy would double the weights and break the shared lower layers
+        if v == "all":
+            raise ValueError(
+                "trainable=all would train against a moving teacher (teacher and student share the live "
+                "weights); use trainable=swiftkv or trainable=lora"
+            )
+        return v
 
 
 class CheckpointSection(_Section):
@@ -215,6 +230,10 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         lines = []
         for err in e.errors():
             where = ".".join(str(p) for p in err["loc"]) or "recipe"
-            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = (
+                "unknown key"
+                if err["type"] == "extra_forbidden"
+                else err["msg"].removeprefix("Value error, ")
+            )
             lines.append(f"recipe error: {where}: {msg}")
         raise RecipeError("\n".join(lines)) from None

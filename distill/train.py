@@ -1,8 +1,11 @@
 """The distillation run: one loop for 1 or N processes, plain or DeepSpeed ZeRO-1/2/3, through accelerate.
 
-    setup()   model (a SwiftKV checkpoint, or a base one converted on the fly), trainable set, data, optimizer,
-              schedule, accelerator.prepare, resume from the latest complete checkpoint
-    train()   forward (shared lower layers) -> KD loss -> backward -> clip -> step, with accumulation,
+    setup()   the checkpoint to resume from (checked against the recipe and world size before anything
+              expensive), model (a SwiftKV checkpoint, or a base one converted on the fly; ZeRO-3 partitioned
+              at load when the accelerate config says zero3_init_flag), the least-squares K/V init (layer by
+              layer, on every rank), trainable set, gradient checkpointing, data, optimizer, schedule,
+              accelerator.prepare, and the resume itself
+    loop()    forward (shared lower layers) -> KD loss -> backward -> clip -> step, with accumulation,
               JSONL logging, held-out metrics, checkpoints every N steps, and the final HF export
 
 Checkpoints are ``accelerator.save_state`` folders written under a temp name and renamed when every rank has
@@ -13,14 +16,13 @@ checkpointing), so its length does not depend on the number of processes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -29,7 +31,6 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.integrations import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from swiftkv.artifacts import write_json_atomic
 from swiftkv.calibrate import fit_swiftkv_kv
@@ -40,7 +41,6 @@ from .data import build_datasets, check_sources, collate_rows
 from .objective import DistillationObjective
 from .recipe import Recipe
 
-KILL_ENV = "SWIFTKV_DISTILL_KILL_AT_STEP"  # fault injection for tests: hard exit after this optimizer step
 _RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
 _RESUME_TRAIN_FIELDS = ("micro_batch_size", "grad_accum", "trainable", "lora", "seed")
 
@@ -87,50 +87,16 @@ def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
     return converted
 
 
-@contextlib.contextmanager
-def _whole_model_loading(accelerator: Accelerator) -> Iterator[None]:
-    """Let one process load a whole model under ZeRO-3, whose partitioned init (active while transformers
-    holds the DeepSpeed config) is collective and would wait for the other ranks forever."""
-    dschf = getattr(accelerator.state.deepspeed_plugin, "dschf", None)
-    if dschf is None:
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        set_hf_deepspeed_config(dschf)
-
-
-def initialized_source(recipe: Recipe, accelerator: Accelerator, source: Path, rows: dict, tokenizer) -> Path:
-    """With ``model.swiftkv.init: lstsq``, ``output_dir/initialized``: the converted checkpoint with its K/V
-    projections fitted to the teacher's keys/values on the first training rows (``swiftkv.calibrate``), made
-    once by the main process (outside ZeRO-3 partitioning) and loaded by every rank."""
-    opts = recipe.model.swiftkv
-    if opts is None or opts.init == "copy" or source != _converted_dir(recipe):  # keep a given SwiftKV source
-        return source
-    initialized = Path(recipe.output_dir) / "initialized"
-    with accelerator.main_process_first():
-        if accelerator.is_main_process and not (initialized / "config.json").is_file():
-            with _whole_model_loading(accelerator):
-                model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, recipe.model.dtype))
-            # the fit needs the whole model on one device (a GPU when there is one)
-            model.to(accelerator.device)
-            n, batch = opts.init_rows, recipe.train.micro_batch_size
-            batches = (
-                {k: rows[k][i : min(i + batch, n)] for k in ("input_ids", "position_ids")}
-                for i in range(0, min(n, len(rows["input_ids"])), batch)
-            )
-            stats = fit_swiftkv_kv(model, batches, opts.init_ridge)
-            accelerator.print(f"least-squares K/V init: {stats}")
-            save_pretrained_swiftkv(
-                model,
-                initialized,
-                tokenizer=tokenizer,
-                force=True,
-                provenance={"stage": "distill.init", "method": "lstsq", "source": str(source), **stats},
-            )
-    return initialized
+def fit_initial_kv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
+    """``model.swiftkv.init: lstsq``: fit the K/V projections of a freshly converted model to the teacher's
+    keys/values on the first ``init_rows`` training rows (``swiftkv.calibrate``).  Every rank takes part
+    on its share of the rows, layer by layer on its device (ZeRO-3: one gathered layer at a time), so the
+    whole model never has to fit on one device."""
+    n = min(recipe.model.swiftkv.init_rows, len(rows))
+    batch, rank, world = recipe.train.micro_batch_size, accelerator.process_index, accelerator.num_processes
+    batches = [rows[i : min(i + batch, n)] for i in range(rank * batch, n, world * batch)]
+    stats = fit_swiftkv_kv(model, batches, recipe.model.swiftkv.init_ridge, device=accelerator.device)
+    accelerator.print(f"least-squares K/V init: {stats}")
 
 
 def load_model(recipe: Recipe, source: Path):
@@ -143,7 +109,13 @@ def load_model(recipe: Recipe, source: Path):
 
 
 def select_trainable(model, recipe: Recipe):
-    """Freeze everything but the trainable set; LoRA wraps the SwiftKV projections with peft adapters."""
+    """Freeze everything but the trainable set; LoRA wraps the SwiftKV projections with peft adapters.
+
+    With ``train.gradient_checkpointing`` every decoder layer recomputes its activations in backward
+    (transformers' non-reentrant checkpointing, which needs no input that requires grad, so it also works
+    for peft and for the frozen shared lower layers)."""
+    if recipe.train.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     names = set(model.swiftkv_parameter_names())
     if recipe.train.trainable == "lora":
         from peft import LoraConfig, get_peft_model
@@ -158,7 +130,7 @@ def select_trainable(model, recipe: Recipe):
         model.base_model.model.model.norm_swiftkv.weight.requires_grad_(True)
         return model
     for name, param in model.named_parameters():
-        param.requires_grad_(recipe.train.trainable == "all" or name in names)
+        param.requires_grad_(name in names)
     return model
 
 
@@ -202,18 +174,49 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1].parent if done else None
 
 
+def resume_point(recipe: Recipe, num_processes: int) -> tuple[Path | None, int]:
+    """The latest complete checkpoint and its step (``None, 0`` for a fresh start); raises ResumeError when
+    it was written by another recipe or another number of processes."""
+    ckpt = latest_checkpoint(Path(recipe.output_dir)) if recipe.checkpoint.resume == "auto" else None
+    if ckpt is None:
+        return None, 0
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    saved, expected = state["fingerprint"], fingerprint(recipe, num_processes)
+    if saved.get("num_processes") != num_processes:
+        raise ResumeError(
+            f"checkpoint {ckpt} was written by {saved.get('num_processes')} processes, this launch has "
+            f"{num_processes} (resuming with another world size is not supported); to resolve, launch with "
+            f"{saved.get('num_processes')} processes, or use a new output_dir or checkpoint.resume=never"
+        )
+    if saved != expected:
+        differ = sorted(k for k in expected if saved.get(k) != expected[k])
+        raise ResumeError(
+            f"checkpoint {ckpt} was written by a different recipe (differs in: {', '.join(differ)}); "
+            "to resolve, use a new output_dir or checkpoint.resume=never"
+        )
+    return ckpt, state["step"]
+
+
 def setup(recipe: Recipe) -> Run:
     # gloo on CPU; the handler must only be passed to multi-process launches (else accelerate expects a group),
     # and without DeepSpeed accelerate only wraps a CPU model in DDP when told cpu=True
-    cpu_multi = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cpu_multi = multi and not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    group = InitProcessGroupKwargs(
+        # long enough for the main process to tokenize the data while the other ranks wait at a barrier
+        backend="gloo" if cpu_multi else "nccl",
+        timeout=timedelta(minutes=recipe.data.tokenize_timeout_minutes),
+    )
     accelerator = Accelerator(
         cpu=cpu_multi and not deepspeed,
         gradient_accumulation_steps=recipe.train.grad_accum,
         mixed_precision=recipe.train.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu_multi else [],
+        kwargs_handlers=[group] if multi else [],
     )
+    ckpt, start_step = resume_point(recipe, accelerator.num_processes)  # before any expensive work
+    check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if recipe.train.trainable == "lora" and ds_plugin.zero_stage == 3:
@@ -223,16 +226,17 @@ def setup(recipe: Recipe) -> Run:
         ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)
     out = Path(recipe.output_dir)
-    check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     source = converted_source(recipe, accelerator)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with accelerator.main_process_first():
         train_rows, eval_rows = build_datasets(
             recipe.data, tokenizer, read_config(source).get("max_position_embeddings")
         )
-    model = select_trainable(
-        load_model(recipe, initialized_source(recipe, accelerator, source, train_rows, tokenizer)), recipe
-    )
+    model = load_model(recipe, source)
+    opts = recipe.model.swiftkv
+    if ckpt is None and opts is not None and opts.init == "lstsq" and source == _converted_dir(recipe):
+        fit_initial_kv(recipe, accelerator, model, train_rows)  # a given SwiftKV source is kept as it is
+    model = select_trainable(model, recipe)
     train_loader = DataLoader(  # rows stay in the datasets cache (Arrow, memory-mapped), read row by row
         train_rows,
         batch_size=recipe.train.micro_batch_size,
@@ -260,19 +264,8 @@ def setup(recipe: Recipe) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe, max_steps))
     accelerator.register_for_checkpointing(scheduler)
 
-    start_step = 0
-    ckpt = latest_checkpoint(out) if recipe.checkpoint.resume == "auto" else None
     if ckpt is not None:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        expected = fingerprint(recipe, accelerator.num_processes)
-        if state["fingerprint"] != expected:
-            differ = sorted(k for k in expected if state["fingerprint"].get(k) != expected[k])
-            raise ResumeError(
-                f"checkpoint {ckpt} was written by a different recipe (differs in: {', '.join(differ)}); "
-                "to resolve, use a new output_dir or checkpoint.resume=never"
-            )
         accelerator.load_state(str(ckpt))
-        start_step = state["step"]
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
     scar = _running_checkpoint(recipe, accelerator, objective, optimizer, out, start_step)
     return Run(
@@ -389,14 +382,17 @@ def export(run: Run, metrics: dict) -> Path:
 
 def train(recipe: Recipe) -> Path:
     """Run (or resume) a distillation and return the exported model folder."""
-    run = setup(recipe)
+    return loop(setup(recipe))
+
+
+def loop(run: Run) -> Path:
+    """The training loop of a set-up run, the final held-out metrics and the export."""
     acc, cfg = run.accelerator, run.recipe
     log_path = run.out / "log.jsonl"
     if acc.is_main_process:
         run.out.mkdir(parents=True, exist_ok=True)
         if run.start_step == 0 and log_path.exists():
             log_path.unlink()
-    kill_at = int(os.environ.get(KILL_ENV, "0"))
     step, tokens, t0 = run.start_step, 0, time.perf_counter()
     epoch_batches = len(run.train_loader)
     skip = (step * cfg.train.grad_accum) % max(epoch_batches, 1)
@@ -448,8 +444,6 @@ def train(recipe: Recipe) -> Path:
                 save_checkpoint(run, step)
             if run.scar is not None:
                 run.scar.maybe_save(step)  # no collectives: each rank writes only its own blocks
-            if step == kill_at:
-                os._exit(17)
             if step >= run.max_steps:
                 break
         epoch, skip = epoch + 1, 0

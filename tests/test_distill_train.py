@@ -2,28 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_base
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.data import build_datasets
 from distill.objective import DistillationObjective
-from distill.recipe import load_recipe
-from distill.train import KILL_ENV
+from distill.recipe import Recipe, load_recipe
+from distill.train import select_trainable
 from swiftkv.convert import to_swiftkv
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def write_recipe(tmp_path: Path, model: Path, data: Path, out: Path, init: str = "copy", **train) -> Path:
+def write_recipe(
+    tmp_path: Path, model: Path, data: Path, out: Path, init: str = "copy", every: int = 3, **train
+) -> Path:
     recipe = {
         "output_dir": str(out),
         "model": {
@@ -34,7 +41,7 @@ def write_recipe(tmp_path: Path, model: Path, data: Path, out: Path, init: str =
         "loss": {"chunk_tokens": 32},
         "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "constant"},
         "train": {"micro_batch_size": 2, "max_steps": 6, **train},
-        "checkpoint": {"every_steps": 3, "keep": 2},
+        "checkpoint": {"every_steps": every, "keep": 2},
         "log": {"every_steps": 1, "eval_batches": 100},
     }
     path = tmp_path / f"recipe-{out.name}.yaml"
@@ -42,17 +49,59 @@ def write_recipe(tmp_path: Path, model: Path, data: Path, out: Path, init: str =
     return path
 
 
-def run(cmd: list[str], env_extra: dict | None = None, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {
+def env(extra: dict | None = None) -> dict:
+    return {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",
-        **(env_extra or {}),
+        **(extra or {}),
     }
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+
+
+def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900)
     assert result.returncode == expect, result.stderr[-3000:]
     return result
+
+
+def kill_when(cmd: list[str], ready, timeout: float = 900) -> None:
+    """Start ``cmd`` in its own process group and SIGKILL the whole group (every rank) once ``ready()``."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ready():
+                if proc.poll() is not None:
+                    stderr.seek(0)
+                    pytest.fail(f"exited ({proc.returncode}) before the kill: {stderr.read()[-3000:]}")
+                assert time.monotonic() < deadline, "timed out waiting for the kill point"
+                time.sleep(0.002)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def logged_step(out: Path, step: int):
+    """ready() once ``step``'s record is in the log."""
+
+    def ready() -> bool:
+        path = out / "log.jsonl"
+        return path.exists() and f'"step": {step}, "lr"' in path.read_text()
+
+    return ready
+
+
+def checkpoint_being_written(out: Path, step: int):
+    """ready() once the temp folder of ``step``'s checkpoint exists (its save has started)."""
+    return lambda: (out / "checkpoints" / f".step_{step}.tmp").is_dir()
+
+
+def complete_checkpoints(out: Path) -> list[str]:
+    return sorted(p.parent.name for p in (out / "checkpoints").glob("step_*/trainer_state.json"))
 
 
 def records(out: Path) -> list[dict]:
@@ -73,11 +122,6 @@ def check_export(recipe_path: Path, model_dir: Path, out: Path) -> None:
     """Only SwiftKV weights changed; the exported model reproduces the in-memory held-out metrics."""
     exported = load_file(out / "model" / "model.safetensors")
     start = to_swiftkv(AutoModelForCausalLM.from_pretrained(model_dir), 3, 1).state_dict()
-    if (out / "initialized").is_dir():  # init: lstsq fitted the K/V projections before training
-        initialized = load_file(out / "initialized" / "model.safetensors")
-        fitted = {k for k in initialized if not torch.equal(initialized[k], start[k])}
-        assert fitted == {k for k in start if "k_proj_swiftkv" in k or "v_proj_swiftkv" in k}
-        start = initialized
     trainable = {k for k in exported if "swiftkv" in k}
     assert trainable and all(not torch.equal(exported[k], start[k]) for k in trainable)
     for k, v in exported.items():
@@ -105,55 +149,125 @@ def held_out_metrics(recipe_path: Path, model_dir: Path) -> tuple[float, float]:
     return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item()
 
 
+def assert_resumes_as_uninterrupted(recipe: Path, out: Path, reference: dict[int, float]) -> None:
+    """After a kill: no export, a resume from the latest complete checkpoint, the reference's losses after it."""
+    assert not (out / "model").exists()
+    resume_from = complete_checkpoints(out)[-1]
+    result = run([PY, "-m", "distill", str(recipe)])
+    assert f"resumed from {out / 'checkpoints' / resume_from} at step" in result.stdout + result.stderr
+    resumed, first = losses(out), int(resume_from[5:]) + 1
+    assert first < max(reference)
+    for step in range(first, max(reference) + 1):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.slow
 def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path):
-    full = write_recipe(tmp_path, tiny_chat_model, chat_data, tmp_path / "full")
+    """SIGKILL from outside after step 3, and once while step 4's checkpoint is being written (resume from
+    step 2, skipping the partial folder); both resume to the uninterrupted run's losses."""
+    full = write_recipe(tmp_path, tiny_chat_model, chat_data, tmp_path / "full", every=2)
     run([PY, "-m", "distill", str(full)])
     reference = losses(tmp_path / "full")
     assert len(reference) == 6
     assert held_out_kl_falls(tmp_path / "full")
     check_export(full, tiny_chat_model, tmp_path / "full")
 
-    killed = write_recipe(tmp_path, tiny_chat_model, chat_data, tmp_path / "killed")
-    run([PY, "-m", "distill", str(killed)], {KILL_ENV: "4"}, expect=17)
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step_3"]
-    assert not (tmp_path / "killed" / "model").exists()
-    result = run([PY, "-m", "distill", str(killed)])
-    assert "resumed from" in result.stdout + result.stderr
-    resumed = losses(tmp_path / "killed")
-    for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    out = tmp_path / "mid-epoch"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=2)
+    kill_when([PY, "-m", "distill", str(recipe)], logged_step(out, 3))
+    assert_resumes_as_uninterrupted(recipe, out, reference)
+
+    out = tmp_path / "mid-checkpoint"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=2)
+    kill_when([PY, "-m", "distill", str(recipe)], checkpoint_being_written(out, 4))
+    assert complete_checkpoints(out) == ["step_2"] and (out / "checkpoints" / ".step_4.tmp").is_dir()
+    assert_resumes_as_uninterrupted(recipe, out, reference)
 
     # a checkpoint from another recipe is refused by name, before any training
-    result = run([PY, "-m", "distill", str(killed), "data.seq_len=96"], expect=2)
+    result = run([PY, "-m", "distill", str(recipe), "data.seq_len=96"], expect=2)
     assert "was written by a different recipe (differs in: data)" in result.stderr
 
 
+def launch(config: str, recipe: Path, *overrides: str, script: str = "-m distill") -> list[str]:
+    """accelerate launch on 2 CPU processes with one of the shipped CPU configs."""
+    return [
+        PY,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"recipes/accelerate/{config}.yaml",
+        *script.split(),
+        str(recipe),
+        *overrides,
+    ]
+
+
+def tree(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_process_deepspeed(tiny_chat_model, chat_data, tmp_path, stage):
-    """ZeRO-3 also starts from the least-squares init, which the main process fits outside partitioning."""
-    out = tmp_path / f"zero{stage}"
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, init="lstsq" if stage == 3 else "copy")
-    run(
-        [
-            PY,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            f"recipes/accelerate/cpu_2proc_zero{stage}.yaml",
-            "-m",
-            "distill",
-            str(recipe),
-        ]
-    )
-    steps = losses(out)
-    assert len(steps) == 6
-    if stage == 3:  # the fit alone removes most of the KL the copy init has; training then goes on from there
-        assert held_out_metrics(recipe, out / "converted")[0] > 3 * records(out)[0]["eval_kl"]
-        assert json.loads((out / "final_metrics.json").read_text())["eval_kl"] < records(out)[0]["eval_kl"]
-    else:
-        assert not (out / "initialized").exists() and held_out_kl_falls(out)
+def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
+    """Every parameter a ZeRO-3 partition from load on (zero3_init_flag, persistence threshold 0), with the
+    least-squares init fitted layer by layer on those partitions, grad_accum 4 and gradient checkpointing:
+    held-out metrics in the run equal a single process's on the exported weights; SIGKILL of all ranks while
+    a checkpoint is being written resumes to the same losses; resuming on another world size is refused."""
+    settings = dict(init="lstsq", every=2, grad_accum=4, gradient_checkpointing=True)
+    script = "tests/distill_zero3_run.py"
+    out = tmp_path / "zero3"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, **settings)
+    run(launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2", script=script))
+    partitioning = json.loads((out / "partitioning.json").read_text())
+    assert partitioning["parameters"] > 50 and partitioning["not_partitioned"] == []
+    reference = losses(out)
+    assert len(reference) == 6
+    evals = [r for r in records(out) if "eval_kl" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    # the fit alone removes most of the KL the copy init has; training then goes on from there
+    assert held_out_metrics(recipe, out / "converted")[0] > 3 * evals[0]["eval_kl"]
+    assert json.loads((out / "final_metrics.json").read_text())["eval_kl"] < evals[0]["eval_kl"]
     check_export(recipe, tiny_chat_model, out)
+
+    before = tree(out)
+    result = run([PY, "-m", "distill", str(recipe), "log.eval_every_steps=2"], expect=2)
+    assert "written by 2 processes, this launch has 1" in result.stderr
+    assert tree(out) == before
+
+    killed = tmp_path / "zero3-killed"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, killed, **settings)
+    kill_when(
+        launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2"), checkpoint_being_written(killed, 4)
+    )
+    assert complete_checkpoints(killed) == ["step_2"]
+    result = run(launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2"))
+    assert f"resumed from {killed / 'checkpoints' / 'step_2'} at step 2" in result.stdout + result.stderr
+    resumed = losses(killed)
+    for step in (3, 4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_two_process_zero2_lora_bf16(tiny_chat_model, chat_data, tmp_path):
+    """LoRA on the SwiftKV projections, bf16 mixed precision and gradient checkpointing under ZeRO-2: the run
+    trains (held-out KL falls) and exports the merged model."""
+    out = tmp_path / "lora"
+    recipe = write_recipe(
+        tmp_path,
+        tiny_chat_model,
+        chat_data,
+        out,
+        trainable="lora",
+        mixed_precision="bf16",
+        grad_accum=4,
+        gradient_checkpointing=True,
+    )
+    run(launch("cpu_2proc_zero2", recipe, "optim.lr=1e-2"))
+    assert len(losses(out)) == 6 and held_out_kl_falls(out)
+    exported = load_file(out / "model" / "model.safetensors")
+    assert not any("lora" in k for k in exported)
+    start = to_swiftkv(AutoModelForCausalLM.from_pretrained(tiny_chat_model), 3, 1).state_dict()
+    changed = {k for k, v in exported.items() if not torch.equal(v.float(), start[k].to(v.dtype).float())}
+    assert changed and all("swiftkv" in k for k in changed)
 
 
 @pytest.mark.slow
@@ -190,8 +304,47 @@ def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
     scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, block: tensor, select: max-change}"]
-    run([PY, "-m", "distill", str(recipe), *scar], {KILL_ENV: "5"}, expect=17)
+    kill_when([PY, "-m", "distill", str(recipe), *scar], logged_step(out, 5))
     manifests = list((out / "scar").rglob("manifest.json"))
     assert manifests, "no running checkpoint written"
     run([PY, "-m", "distill", str(recipe), *scar])  # resumes from step 3 plus the newer running blocks
     assert (out / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("trainable", ["swiftkv", "lora"])
+def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(trainable):
+    """Shared lower layers (frozen, run once) and the student's upper layers under transformers' checkpointing:
+    the upper layers really run again in backward, and every trainable gradient is unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 40), generator=gen)
+    pos = torch.arange(40).repeat(2, 1)
+    mask = (torch.rand(2, 40, generator=gen) > 0.3).long()
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        recipe = Recipe.model_validate(
+            {
+                "output_dir": "unused",
+                "model": {"source": "unused"},
+                "data": {"sources": [{"path": "unused"}]},
+                "loss": {"chunk_tokens": 16},
+                "train": {"trainable": trainable, "gradient_checkpointing": checkpointing},
+            }
+        )
+        model = to_swiftkv(tiny_base("llama", initializer_range=0.2), 3, 1)
+        model.set_mode("student")
+        torch.manual_seed(1)
+        model = select_trainable(model, recipe)
+        with torch.no_grad():  # LoRA's B starts at zero, which would leave A without a gradient
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        objective = DistillationObjective(model, recipe.loss).train()
+        mlp = objective.causal_lm.model.layers[-1].mlp
+        calls.append(0)
+        mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
+        objective(ids, pos, mask)["loss"].backward()
+        grads.append({n: p.grad for n, p in objective.named_parameters() if p.requires_grad})
+    assert calls == [2, 3]  # teacher + student, then the student's recompute in backward
+    assert grads[0].keys() == grads[1].keys() and all(g is not None for g in grads[1].values())
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
