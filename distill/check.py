@@ -130,47 +130,49 @@ def parallel_plan(path: Path | None) -> Parallel:
     return Parallel.from_deepspeed(processes, ds)
 
 
-def _source_rows(source, tokenizer, rows: int, loss_on: str) -> dict:
-    """Samples and assistant (loss) tokens in the first ``rows`` records of one source."""
-    from .data import _tokenize, load_source
-
-    raw = load_source(source.model_copy(update={"max_samples": rows}))
-    counts = [sum(_tokenize(r, tokenizer, source, loss_on)["counted"]) for r in raw]
-    return {
-        "rows": len(counts),
-        "trainable": sum(c > 0 for c in counts),
-        "tokens": sum(counts),
-        "fields": raw.column_names,
-    }
+def _resolvable(message: str) -> str:
+    return (
+        message if "to resolve" in message else f"{message} (to resolve, check the source, or pass --no-data)"
+    )
 
 
 def data_report(recipe: Recipe, tokenizer_dir: Path, rows: int) -> list[str]:
+    """Per-source counts over the first ``rows`` records; UsageError for a source that cannot be read or
+    yields no trainable sample (named, with the columns it has)."""
     from transformers import AutoTokenizer
 
-    from .data import DataError
+    from .data import DataError, check_sources, source_stats
 
+    try:
+        check_sources(recipe.data)  # gated sources without a login, missing files: before any download
+    except DataError as e:
+        raise UsageError(_resolvable(str(e))) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError):
         raise UsageError(
-            f"no tokenizer in {tokenizer_dir} (to resolve, pass --tokenizer DIR with the model's tokenizer files, "
-            "or --no-data)"
+            f"no tokenizer in {tokenizer_dir} (to resolve, pass --tokenizer DIR with the model's tokenizer "
+            "files, or --no-data)"
         ) from None
-    lines = [f"data: first {rows} rows of each source (tokenizer {tokenizer_dir})"]
-    lines.append(f"  {'source':<48} {'rows':>5} {'trainable':>9} {'assistant tokens':>16}")
+    lines = [
+        f"data: first {rows} rows of each source (tokenizer {tokenizer_dir})",
+        f"  {'source':<44} {'format':<10} {'rows':>5} {'samples':>7} {'assistant tokens':>16}",
+    ]
     for source in recipe.data.sources:
         try:
-            stats = _source_rows(source, tokenizer, rows, recipe.data.loss_on)
+            stats = source_stats(source, tokenizer, rows, recipe.data.seq_len, recipe.data.loss_on)
         except DataError as e:
+            raise UsageError(_resolvable(str(e))) from None
+        if stats["samples"] == 0 or stats["assistant_tokens"] == 0:
             raise UsageError(
-                f"{e} (to resolve, check the source, network and login, or pass --no-data)"
-            ) from None
-        if stats["trainable"] == 0:
-            raise UsageError(
-                f"data source {source.path!r} yields no trainable row in its first {stats['rows']} rows "
-                f"(fields seen: {', '.join(stats['fields']) or 'none'}) (to resolve, fix data.sources[].path or its format)"
+                f"data source {source.path!r} yields no trainable sample in its first {stats['rows']} rows "
+                f"(format {stats['format']}, columns: {', '.join(stats['columns'])}) "
+                "(to resolve, set data.sources[].format to its layout or fix the source)"
             )
-        lines.append(f"  {source.path:<48} {stats['rows']:>5} {stats['trainable']:>9} {stats['tokens']:>16}")
+        lines.append(
+            f"  {source.path:<44} {stats['format']:<10} {stats['rows']:>5} {stats['samples']:>7} "
+            f"{stats['assistant_tokens']:>16}"
+        )
     return lines
 
 
@@ -178,7 +180,7 @@ def plan(recipe: Recipe, config: dict, par: Parallel) -> dict:
     """The memory plan of a recipe: parts in bytes, grouped, plus the settings they assume."""
     shape = swiftkv_shape(config, recipe)
     train = recipe.train
-    checkpointing = bool(getattr(train, "gradient_checkpointing", False))
+    checkpointing = train.gradient_checkpointing
     half = recipe.model.dtype != "float32" or (par.stage > 0 and train.mixed_precision == "bf16")
     w = 2 if half else 4
     a = 2 if half or train.mixed_precision == "bf16" else 4
@@ -190,6 +192,7 @@ def plan(recipe: Recipe, config: dict, par: Parallel) -> dict:
         a,
         train.shared_lower_layers,
         recipe.model.attn_implementation,
+        recipe.data.packing,
     )
     values = 2 if recipe.optim.type == "adamw" else 3 + recipe.comm.staleness
     acts = {c: activations(shape, batch, c) for c in (False, True)}
@@ -202,19 +205,19 @@ def plan(recipe: Recipe, config: dict, par: Parallel) -> dict:
         "activations": acts[checkpointing],
         "activations total": {c: sum(v.values()) for c, v in acts.items()},
         "communication": comm_buffers(params, par, w),
-        "lstsq init": lstsq_init(shape, params, batch, w) if init else {},
+        "lstsq init": lstsq_init(shape, params, batch, par, w) if init else {},
     }
 
 
 def _zero(par: Parallel) -> str:
     if par.stage == 0:
-        return "DDP" if par.processes > 1 else "one process"
+        return "DDP" if par.processes > 1 else "no DeepSpeed"
     offload = [k for k, on in (("optimizer", par.offload_optimizer), ("params", par.offload_params)) if on]
     return f"DeepSpeed ZeRO-{par.stage}" + (f" (offload: {', '.join(offload)} to CPU)" if offload else "")
 
 
-def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tuple[list[str], float, float]:
-    """The printed plan, the training peak and the overall peak (GB per GPU)."""
+def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tuple[list[str], float]:
+    """The printed plan and its peak (GB per GPU): training, or the least-squares init if larger."""
     s, params, train = p["shape"], p["params"], recipe.train
     lines = [
         f"model: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/{s.kv_heads} x {s.head_dim}, "
@@ -232,6 +235,8 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
         ("activations", p["activations"]),
         ("communication buffers", p["communication"]),
     ):
+        if not part:
+            continue
         sub = sum(part.values()) / GB
         total += sub
         lines.append(f"  {title:<40} {sub:8.2f}")
@@ -251,7 +256,7 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
         f"peak {peak:.2f} GB of {budget:.1f} GB usable per {gpu_memory:g} GB GPU "
         f"({100 * RESERVE:.0f}% reserved): {verdict}"
     )
-    return lines, total, peak
+    return lines, peak
 
 
 def check(args) -> None:
@@ -265,25 +270,30 @@ def check(args) -> None:
             "(to resolve, lower data.seq_len)"
         )
     p = plan(recipe, config, par)
-    lines, _, peak = format_plan(recipe, par, p, args.gpu_memory)
+    lines, peak = format_plan(recipe, par, p, args.gpu_memory)
     print(f"recipe {args.recipe}: valid")
     print("\n".join(lines))
-    if args.no_data:
-        print("data: not checked (--no-data)")
-    else:
-        default = (
-            args.model_config.parent
-            if args.model_config and args.model_config.is_file()
-            else args.model_config
-        )
-        tokenizer_dir = args.tokenizer or default or Path(recipe.model.source)
-        print("\n".join(data_report(recipe, tokenizer_dir, args.limit)))
-    if peak > args.gpu_memory * (1 - RESERVE):
+    usable = args.gpu_memory * (1 - RESERVE)
+    if peak > usable:
+        fixes = [] if p["checkpointing"] else ["turn on train.gradient_checkpointing"]
+        fixes.append("lower train.micro_batch_size, data.seq_len or loss.chunk_tokens")
+        fixes.append("use ZeRO-3 (with optimizer offload) or more GPUs")
         raise UsageError(
-            f"the run needs {peak:.1f} GB per GPU, more than {args.gpu_memory * (1 - RESERVE):.1f} GB usable of "
-            f"{args.gpu_memory:g} GB (to resolve, turn on train.gradient_checkpointing, lower "
-            "train.micro_batch_size, data.seq_len or loss.chunk_tokens, or use a higher ZeRO stage)"
+            f"the run needs {peak:.1f} GB per GPU, more than {usable:.1f} GB usable of {args.gpu_memory:g} GB "
+            f"(to resolve, {'; '.join(fixes)})"
         )
+    if args.no_data:
+        print(
+            f"data: not checked (--no-data): rows, layouts and logins of {len(recipe.data.sources)} sources"
+        )
+        return
+    if args.tokenizer is not None:
+        tokenizer_dir = args.tokenizer
+    elif args.model_config is not None:
+        tokenizer_dir = args.model_config if args.model_config.is_dir() else args.model_config.parent
+    else:
+        tokenizer_dir = Path(recipe.model.source)
+    print("\n".join(data_report(recipe, tokenizer_dir, args.limit)))
 
 
 def main(argv: list[str] | None = None) -> int:

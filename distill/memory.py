@@ -22,9 +22,10 @@ The numbers follow what this toolkit's training step keeps alive, not a generic 
   their gradient) plus the counted rows' hidden states of both paths.
 * **Communication buffers** from the DeepSpeed config: the gradient reduce bucket (two with ``overlap_comm``),
   the ZeRO-1/2 parameter all-gather bucket and the ZeRO-3 prefetch bucket, each capped by what there is to move.
-* **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.calibrate``), a separate phase before
-  training: one layer's weights, H^T H and its LU factor ((h+1)^2 float64 each), one group's H^T Y, solutions
-  and copy projections for K and V ((h+1) x K d float64 each), and one batch of activations.
+* **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.calibrate``), a separate phase before the
+  optimizer exists: one layer's weights (plus the ZeRO-3 shards), H^T H and its LU factor ((h+1)^2 float64
+  each), one group's H^T Y, solutions and copy projections for K and V ((h+1) x K d float64 each), and one
+  batch of activations.
 
 The activation terms are checked against the peak memory of real CPU runs of the objective
 (tests/test_distill_check.py); the model states against DeepSpeed's estimators.
@@ -227,14 +228,18 @@ def comm_buffers(params: Params, par: Parallel, grad_bytes: int = 2) -> dict[str
     return out
 
 
-def lstsq_init(s: Shape, params: Params, b: Batch, weight_bytes: int = 2) -> dict[str, int]:
-    """Per-GPU bytes of the least-squares K/V init, run layer by layer before training."""
+def lstsq_init(s: Shape, params: Params, b: Batch, par: Parallel, weight_bytes: int = 2) -> dict[str, int]:
+    """Per-GPU bytes of the least-squares K/V init (``swiftkv.calibrate``), which runs before the optimizer
+    exists, layer by layer on every rank: one layer's weights (gathered under ZeRO-3, beside this rank's
+    shards), H^T H and its LU factor, one group's H^T Y with its solutions and copy projections for K and V,
+    and one batch of activations (the batches' hidden states wait on the host)."""
     h1, kv = s.hidden + 1, s.kv_heads * s.head_dim
     layer = max(s.vocab * s.hidden, (params.total - 2 * s.vocab * s.hidden) // s.layers)
-    tokens = b.tokens
-    return {
-        "one layer's weights": weight_bytes * layer,
-        "H^T H + LU factor": 2 * 8 * h1 * h1,
-        "H^T Y, solutions, copies (K, V)": 3 * 2 * 8 * h1 * kv,
-        "one batch of activations": tokens * (_layer_working(s, b) + 8 * h1 + 2 * 8 * kv),
-    }
+    out = {}
+    if par.stage == 3 and not par.offload_params:
+        out["weights (ZeRO-3 shards)"] = params.total * weight_bytes // par.processes
+    out["one layer's weights"] = weight_bytes * layer
+    out["H^T H + LU factor"] = 2 * 8 * h1 * h1
+    out["H^T Y, solutions, copies (K, V)"] = 3 * 2 * 8 * h1 * kv
+    out["one batch of activations"] = b.tokens * (_layer_working(s, b) + 8 * h1 + 2 * 8 * kv)
+    return out
