@@ -9,7 +9,7 @@ which transformers itself requires).
 """
 
 from huggingface_hub.dataclasses import strict
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 
 class _SwiftKVValidation:
@@ -60,6 +60,14 @@ class LlamaSwiftKVConfig(_SwiftKVValidation, LlamaConfig):
 @strict
 class Qwen2SwiftKVConfig(_SwiftKVValidation, Qwen2Config):
     model_type = "qwen2_swiftkv"
+    num_key_value_layers: int | None = None
+    key_value_group_size: int = 1
+    swiftkv: bool = True
+
+
+@strict
+class Qwen3SwiftKVConfig(_SwiftKVValidation, Qwen3Config):
+    model_type = "qwen3_swiftkv"
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True

@@ -1,9 +1,11 @@
-"""SwiftKV models composed from transformers' own Llama/Qwen2 classes.
+"""SwiftKV models composed from transformers' own Llama/Qwen2/Qwen3 classes.
 
 What differs from the base family is only this:
 
 * layers ``j >= l`` (``l = config.num_key_value_layers``) get ``q_proj_swiftkv``; each AcrossKV group leader
-  also gets ``k_proj_swiftkv``/``v_proj_swiftkv``; the model gets ``norm_swiftkv``;
+  also gets ``k_proj_swiftkv``/``v_proj_swiftkv``; the model gets ``norm_swiftkv``; families with per-head
+  query/key norms (Qwen3) get ``q_norm_swiftkv`` per layer and ``k_norm_swiftkv`` per leader, as the
+  reference training code's Qwen3 model does;
 * in SwiftKV mode (``config.swiftkv``) the K/V of every later layer come from ``h = norm_swiftkv(x_l)``, where
   ``x_l`` is the input of layer ``l``; queries use ``q_proj_swiftkv`` on the layer's own normed input.
 
@@ -11,7 +13,13 @@ One forward serves training and inference.  Tokens run layers ``< l``; then the 
 computed from ``h`` in one fused matmul and written into the cache once per group (the leader's slot, so
 AcrossKV really stores one K/V per group); then only the tokens whose logits are wanted (``logits_to_keep``,
 which ``generate()`` sets to 1) continue through layers ``>= l``.  Without ``logits_to_keep`` every token
-continues (the training path), which gives the same numbers at the kept positions.
+continues (the training path), which gives the same numbers at the kept positions.  The kept rows get their
+own mask in every backend's format (``_mask_for_last_rows``).
+
+Multi-device and offloaded weights: the group K/V are computed per device (one fused matmul per device when
+the weights are materialized, else by calling each projection module, so that accelerate's offload hooks
+and DeepSpeed ZeRO-3 can materialize the weights inside the module's forward), and each group's K/V stay on
+its leader's device.
 
 In teacher mode (``swiftkv=False``) the model is exactly the original.  ``teacher_student_hidden`` runs the
 shared lower layers once and both upper paths, which is what distillation needs.
@@ -23,9 +31,11 @@ transformers and the sibling configuration file.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -44,15 +54,30 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2ForCausalLM,
     Qwen2Model,
 )
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on one tensor of shape [batch, heads, seq, head_dim] (cos/sin: [batch, seq, head_dim])."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.to(x.device).unsqueeze(1), sin.to(x.device).unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def _materialized(linear: nn.Linear) -> bool:
+    """Whether the weight is really there outside the module's forward (not on ``meta`` as under accelerate's
+    offload hooks, not an empty ZeRO-3 partition)."""
+    weight = linear.weight
+    return weight.device.type != "meta" and weight.shape == (linear.out_features, linear.in_features)
 
 
 class SwiftKVAttentionMixin:
@@ -63,11 +88,28 @@ class SwiftKVAttentionMixin:
         l, g = config.num_key_value_layers, config.key_value_group_size
         if layer_idx < l:
             return
-        bias = self.q_proj.bias is not None
-        self.q_proj_swiftkv = nn.Linear(self.q_proj.in_features, self.q_proj.out_features, bias=bias)
+        head_norm = getattr(self, "q_norm", None)  # Qwen3: RMSNorm over each head before RoPE
+
+        def like(module: nn.Module) -> nn.Module:
+            if isinstance(module, nn.Linear):
+                return nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            return type(module)(self.head_dim, eps=config.rms_norm_eps)
+
+        self.q_proj_swiftkv = like(self.q_proj)
+        if head_norm is not None:
+            self.q_norm_swiftkv = like(head_norm)
         if (layer_idx - l) % g == 0:
-            self.k_proj_swiftkv = nn.Linear(self.k_proj.in_features, self.k_proj.out_features, bias=bias)
-            self.v_proj_swiftkv = nn.Linear(self.v_proj.in_features, self.v_proj.out_features, bias=bias)
+            self.k_proj_swiftkv, self.v_proj_swiftkv = like(self.k_proj), like(self.v_proj)
+            if head_norm is not None:
+                self.k_norm_swiftkv = like(self.k_norm)
+
+    def swiftkv_key_value(self, key, value, position_embeddings):
+        """A leader's group K/V [batch, kv_heads, seq, head_dim] from its projections' outputs [batch, seq, -1]."""
+        shape = (*key.shape[:-1], -1, self.head_dim)
+        key, value = key.view(shape), value.view(shape)
+        if hasattr(self, "k_norm_swiftkv"):
+            key = self.k_norm_swiftkv(key)
+        return _apply_rope(key.transpose(1, 2), *position_embeddings), value.transpose(1, 2)
 
     def forward(
         self, hidden_states, position_embeddings, attention_mask, cache=None, swiftkv_kv=None, **kwargs
@@ -75,8 +117,10 @@ class SwiftKVAttentionMixin:
         if swiftkv_kv is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
-        query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-        query = _apply_rope(query, *position_embeddings)
+        query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim)
+        if hasattr(self, "q_norm_swiftkv"):
+            query = self.q_norm_swiftkv(query)
+        query = _apply_rope(query.transpose(1, 2), *position_embeddings)
         key, value = swiftkv_kv
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -111,10 +155,39 @@ class _Prepared:
     """Per-forward state shared by the lower and upper layers."""
 
     hidden_states: torch.Tensor
-    attention_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | BlockMask | None
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     position_ids: torch.Tensor
     cache: Cache | None
+
+
+def _mask_for_last_rows(mask, rows: int):
+    """The mask of the last ``rows`` query rows, in the format of each backend.
+
+    sdpa/eager: a 4-D [batch, 1, q, kv] tensor, cut along q.  FlashAttention: a 2-D [batch, kv] padding mask,
+    or None, both per key (FlashAttention aligns the queries bottom-right itself), so unchanged.  flex: a
+    BlockMask rebuilt for the last rows.  None from sdpa means ``is_causal`` (the caller allows it only where
+    it is still right for the kept rows).
+    """
+    if isinstance(mask, BlockMask):
+        q_len, kv_len = mask.seq_lengths
+        mask_mod, offset = mask.mask_mod, q_len - rows
+
+        def last_rows(batch, head, q_idx, kv_idx):
+            return mask_mod(batch, head, q_idx + offset, kv_idx)
+
+        return create_block_mask(
+            last_rows,
+            B=mask.kv_num_blocks.shape[0],
+            H=None,
+            Q_LEN=rows,
+            KV_LEN=kv_len,
+            device=mask.kv_num_blocks.device,
+            BLOCK_SIZE=mask.BLOCK_SIZE,
+        )
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return mask[:, :, -rows:]
+    return mask
 
 
 class SwiftKVModelMixin:
@@ -138,52 +211,59 @@ class SwiftKVModelMixin:
         l, g = self.config.num_key_value_layers, self.config.key_value_group_size
         return [self.layers[j].self_attn for j in range(l, self.config.num_hidden_layers, g)]
 
-    def _fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """All groups' K and V weights stacked into one matrix for inference.
+    def _fused_kv_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """(weight, bias, number of groups) per run of consecutive leaders on one device: every group's K and V
+        weights stacked, for one matmul per device at inference.
 
         Cached; the cache is dropped on every train()/eval() switch and rebuilt when a weight's storage or
         version changes (load_state_dict, in-place edits).  Optimizers that write through aliases (DeepSpeed
         flat buffers) only run in training mode, where the cache is never used.
         """
-        projs = [proj for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)]
-        key = tuple((p.data_ptr(), p._version) for proj in projs for p in proj.parameters())
+        projs = [(attn.k_proj_swiftkv, attn.v_proj_swiftkv) for attn in self.kv_leaders]
+        key = tuple((p.data_ptr(), p._version) for pair in projs for proj in pair for p in proj.parameters())
         if self._fused_kv is None or self._fused_kv[0] != key:
-            weight = torch.cat([p.weight for p in projs])
-            bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
-            self._fused_kv = (key, weight, bias)
-        return self._fused_kv[1], self._fused_kv[2]
+            fused = []
+            for _, run in groupby(projs, key=lambda pair: pair[0].weight.device):
+                run = [proj for pair in run for proj in pair]
+                bias = torch.cat([p.bias for p in run]) if run[0].bias is not None else None
+                fused.append((torch.cat([p.weight for p in run]), bias, len(run) // 2))
+            self._fused_kv = (key, fused)
+        return self._fused_kv[1]
 
     def train(self, mode: bool = True):
         self._fused_kv = None
         return super().train(mode)
+
+    def _project_kv(self, h: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each group's K and V projections of ``h`` ([batch, seq, kv_heads * head_dim]), on its leader's device."""
+        projs = [(attn.k_proj_swiftkv, attn.v_proj_swiftkv) for attn in self.kv_leaders]
+        if (
+            torch.is_grad_enabled()
+            or self.training
+            or not all(_materialized(p) for pair in projs for p in pair)
+        ):
+            # autograd, or weights that exist only inside their module's forward: call each module
+            return [(k_proj(h), v_proj(h)) for k_proj, v_proj in projs]
+        out = []
+        for weight, bias, groups in self._fused_kv_projections():
+            kv = nn.functional.linear(h.to(weight.device), weight, bias).chunk(2 * groups, -1)
+            out += zip(kv[0::2], kv[1::2], strict=True)
+        return out
 
     def swiftkv_key_values(
         self, x_l: torch.Tensor, prepared: _Prepared
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V for every AcrossKV group from the input of layer l, written into the cache when there is one.
 
-        Returns one (key, value) pair per group, each [batch, kv_heads, kv_len, head_dim] with RoPE applied.
+        Returns one (key, value) pair per group, each [batch, kv_heads, kv_len, head_dim] with RoPE applied,
+        on the group leader's device.
         """
-        num_groups = self.config.num_swiftkv_groups
-        if num_groups == 0:
+        if self.config.num_swiftkv_groups == 0:
             return []
         h = self.norm_swiftkv(x_l)
-        if torch.is_grad_enabled() or self.training:  # per-group projections: autograd and ZeRO-3 friendly
-            kv = torch.cat(
-                [proj(h) for attn in self.kv_leaders for proj in (attn.k_proj_swiftkv, attn.v_proj_swiftkv)],
-                -1,
-            )
-        else:  # inference: one matmul for all later layers
-            kv = nn.functional.linear(h, *self._fused_kv_projection())
-        batch, seq = h.shape[:2]
-        head_dim = self.layers[-1].self_attn.head_dim
-        kv = kv.view(batch, seq, num_groups, 2, -1, head_dim)
-        keys = kv[:, :, :, 0].permute(0, 2, 3, 1, 4).flatten(1, 2)  # [batch, groups*kv_heads, seq, head_dim]
-        keys = _apply_rope(keys, *prepared.position_embeddings).unflatten(1, (num_groups, -1))
-        values = kv[:, :, :, 1].permute(0, 2, 3, 1, 4)
         out = []
-        for group, attn in enumerate(self.kv_leaders):
-            key, value = keys[:, group], values[:, group]
+        for attn, (key, value) in zip(self.kv_leaders, self._project_kv(h), strict=True):
+            key, value = attn.swiftkv_key_value(key, value, prepared.position_embeddings)
             if prepared.cache is not None:
                 key, value = prepared.cache.update(key, value, attn.layer_idx)
             out.append((key, value))
@@ -198,19 +278,24 @@ class SwiftKVModelMixin:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if isinstance(attention_mask, dict):  # generate() prebuilds masks per layer type for static caches
+            attention_mask = attention_mask["full_attention"]
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (
                 torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0) + past_seen
             )
+        # sdpa's is_causal (mask None) is top-left aligned over all kv slots: right for the full block, and for
+        # one kept row only when every kv slot is real (not the unwritten tail of a StaticCache)
+        skipped = rows_kept < inputs_embeds.shape[1]
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
-            # a skipped-ahead block of several query rows cannot use sdpa's top-left-aligned is_causal
-            allow_is_causal_skip=not 1 < rows_kept < inputs_embeds.shape[1],
+            allow_is_causal_skip=not skipped
+            or (rows_kept == 1 and not getattr(cache, "is_compileable", False)),
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache)
@@ -233,17 +318,18 @@ class SwiftKVModelMixin:
 
     @staticmethod
     def _keep_last_rows(prepared: _Prepared, rows: int) -> _Prepared:
-        mask = prepared.attention_mask
         cos, sin = prepared.position_embeddings
         return _Prepared(
             prepared.hidden_states[:, -rows:],
-            mask[..., -rows:, :] if isinstance(mask, torch.Tensor) else mask,
+            _mask_for_last_rows(prepared.attention_mask, rows),
             (cos[:, -rows:], sin[:, -rows:]),
             prepared.position_ids[..., -rows:],
             prepared.cache,
         )
 
     # -- entry points ------------------------------------------------------------------------------------
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
     @capture_outputs
     def forward(
         self,
@@ -258,7 +344,6 @@ class SwiftKVModelMixin:
     ) -> BaseModelOutputWithPast:
         """As the base model's forward; with SwiftKV on and ``swiftkv_logits_to_keep = k > 0``, only the last k
         rows go through layers >= l and ``last_hidden_state`` holds just those rows."""
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         keep = swiftkv_logits_to_keep
         rows = min(keep, seq_len) if isinstance(keep, int) and keep > 0 and self.config.swiftkv else seq_len
@@ -306,6 +391,7 @@ class SwiftKVForCausalLMMixin:
         self.model = self.model_class(config)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -381,3 +467,23 @@ class Qwen2SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen2ForCausalLM):
     config_class = Qwen2SwiftKVConfig
     model_class = Qwen2SwiftKVModel
     _no_split_modules = ["Qwen2SwiftKVDecoderLayer"]
+
+
+class Qwen3SwiftKVAttention(SwiftKVAttentionMixin, Qwen3Attention):
+    pass
+
+
+class Qwen3SwiftKVDecoderLayer(SwiftKVDecoderLayerMixin, Qwen3DecoderLayer):
+    attention_class = Qwen3SwiftKVAttention
+
+
+class Qwen3SwiftKVModel(SwiftKVModelMixin, Qwen3Model):
+    config_class = Qwen3SwiftKVConfig
+    decoder_layer_class = Qwen3SwiftKVDecoderLayer
+    _no_split_modules = ["Qwen3SwiftKVDecoderLayer"]
+
+
+class Qwen3SwiftKVForCausalLM(SwiftKVForCausalLMMixin, Qwen3ForCausalLM):
+    config_class = Qwen3SwiftKVConfig
+    model_class = Qwen3SwiftKVModel
+    _no_split_modules = ["Qwen3SwiftKVDecoderLayer"]

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -27,17 +34,21 @@ TINY = dict(
 
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):
-    """A small random Llama or Qwen2 causal LM in eval mode."""
+    """A small random Llama, Qwen2 or Qwen3 causal LM in eval mode."""
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides}))
+    elif family == "qwen3":  # head_dim given explicitly: Qwen3Config defaults it to 128
+        model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, "head_dim": 16, **overrides}))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides}))
-    # random biases, so the Qwen2 tests see them (transformers initializes biases to zero)
+    # random biases and Qwen3 head norms, so the tests see them (transformers initializes them to 0 and 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.add_(0.1 * torch.randn_like(p))
     return model.eval()
 
 

@@ -1,0 +1,196 @@
+"""The SwiftKV models against the independent reference (swiftkv_reference.py): every attention backend's
+mask format, dynamic and static caches, left padding, multi-turn continuation, greedy and beam generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_base
+from swiftkv_reference import attention, greedy, sequence_logprob, student_logits
+from test_swiftkv_model import left_padded_batch, to_swiftkv
+from transformers import AttentionInterface, DynamicCache, StaticCache
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+ATOL = 2e-5
+FAMILIES = ["llama", "qwen2", "qwen3"]
+FLASH_2D = "flash_cpu_reference"  # "flash" in the name: generate() treats it as FlashAttention
+
+
+def flash_2d_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What FlashAttention-2 computes from what transformers hands it (masking_utils.flash_attention_mask): a
+    2-D [batch, kv] padding mask or None; keys cut to the mask's width (static caches); queries aligned
+    bottom-right.  Written with the reference's explicit attention, so it runs on CPU."""
+    batch, _, q_len, _ = query.shape
+    if attention_mask is not None:
+        assert attention_mask.shape[0] == batch and attention_mask.dim() == 2, attention_mask.shape
+        key, value = key[:, :, : attention_mask.shape[1]], value[:, :, : attention_mask.shape[1]]
+        padding = attention_mask.bool()
+    else:
+        padding = torch.ones(batch, key.shape[2], dtype=torch.bool)
+    kv_len = key.shape[2]
+    causal = torch.arange(q_len)[:, None] + kv_len - q_len >= torch.arange(kv_len)[None]
+    out = attention(query, key, value, causal[None] & padding[:, None])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FLASH_2D, flash_2d_mask_attention)
+AttentionMaskInterface.register(FLASH_2D, flash_attention_mask)
+
+
+def student(family: str, g: int, impl: str, l: int = 2):
+    model = to_swiftkv(tiny_base(family), l=l, g=g)
+    if impl == FLASH_2D:  # set_attn_implementation would try to load a flash kernel for this name
+        model.config._attn_implementation = impl
+    else:
+        model.set_attn_implementation(impl)
+    return model
+
+
+def batches():
+    """A left-padded batch and one unpadded prompt (where sdpa may skip the mask)."""
+    _, ids, mask = left_padded_batch()
+    single = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    return [(ids, mask), (single, torch.ones_like(single))]
+
+
+def make_cache(kind: str, model, max_len: int = 32):
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    return DynamicCache(config=model.config)
+
+
+def assert_last_rows_match(model, ids, mask, logits):
+    ref = student_logits(model, ids, mask)[:, -1]
+    torch.testing.assert_close(logits[:, -1], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("g", [1, 2])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_full_forward_matches_reference(family, g, impl):
+    model = student(family, g, impl)
+    _, ids, mask = left_padded_batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    ref = student_logits(model, ids, mask)
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+
+
+def run_conversation(model, cache, ids, mask, steps: int = 2):
+    """Prefill (logits_to_keep=1), decode steps, a second multi-token prompt onto the cache, decode again;
+    every step checked against the reference on the whole sequence so far."""
+    torch.manual_seed(11)
+    turn2 = torch.randint(3, 128, (ids.shape[0], 3))
+    plan = [ids] + [None] * steps + [turn2] + [None]
+    seq, seq_mask, logits = ids[:, :0], mask[:, :0], None
+    with torch.no_grad():
+        for chunk in plan:
+            if chunk is None:  # decode: the argmax of the last step
+                chunk = logits[:, -1].argmax(-1, keepdim=True)
+            seq_mask = torch.cat([seq_mask, mask if seq.shape[1] == 0 else torch.ones_like(chunk)], 1)
+            seq = torch.cat([seq, chunk], 1)
+            positions = (seq_mask.cumsum(-1) - 1).clamp(min=0)[:, -chunk.shape[1] :]
+            logits = model(
+                chunk,
+                attention_mask=seq_mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            assert logits.shape[1] == 1
+            assert_last_rows_match(model, seq, seq_mask, logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("g", [1, 2])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", FLASH_2D])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_conversation_matches_reference(family, g, impl, cache):
+    model = student(family, g, impl)
+    for ids, mask in batches():
+        run_conversation(model, make_cache(cache, model), ids, mask)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("g", [1, 2])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_flex_attention_conversation_matches_reference(g, cache):
+    model = student("llama", g, "flex_attention")
+    for ids, mask in batches():
+        run_conversation(model, make_cache(cache, model), ids, mask, steps=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("g", [1, 2])
+@pytest.mark.parametrize("impl", ["sdpa", FLASH_2D])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generate_matches_reference(family, g, impl, cache):
+    model = student(family, g, impl)
+    for ids, mask in batches():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                do_sample=False,
+                cache_implementation=cache,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert out[:, ids.shape[1] :].tolist() == greedy(model, ids, mask, 6).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("g", [1, 2])
+def test_beam_search_scores_are_reference_logprobs(family, g):
+    """Every returned beam's score is the reference log-probability of its tokens (length_penalty 0), so the
+    beam reordering of the (AcrossKV) cache is exact; the best beam scores at least the greedy sequence."""
+    model = student(family, g, "sdpa")
+    _, ids, mask = left_padded_batch()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=5,
+            num_beams=3,
+            num_return_sequences=3,
+            length_penalty=0.0,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        new = torch.ones_like(out.sequences[:, ids.shape[1] :])
+        beams_mask = torch.cat([mask.repeat_interleave(3, 0), new], 1)
+        ref = sequence_logprob(model, out.sequences, beams_mask, ids.shape[1])
+        torch.testing.assert_close(out.sequences_scores, ref, atol=1e-4, rtol=0)
+        greedy_ids = torch.cat([ids, greedy(model, ids, mask, 5)], 1)
+        greedy_mask = torch.cat([mask, torch.ones(ids.shape[0], 5, dtype=mask.dtype)], 1)
+        greedy_score = sequence_logprob(model, greedy_ids, greedy_mask, ids.shape[1])
+    assert (out.sequences_scores.view(-1, 3)[:, 0] >= greedy_score - 1e-4).all()
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_generate_matches_reference():
+    """generate() compiles the decode step when the cache is static (here forced on CPU)."""
+    from transformers import CompileConfig
+
+    model = student("llama", 2, "sdpa")
+    compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    compile_config._compile_all_devices = True
+    for ids, mask in batches():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=False,
+                cache_implementation="static",
+                compile_config=compile_config,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert out[:, ids.shape[1] :].tolist() == greedy(model, ids, mask, 4).tolist()
