@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 
 import pytest
 
@@ -22,7 +23,7 @@ from eval.serving.certaindex.certainty import (
     preset,
     should_exit,
 )
-from eval.serving.certaindex.cot import run_cot
+from eval.serving.certaindex.cot import final_answer_block, run_cot
 from eval.serving.certaindex.data import arithmetic, load_problems
 from eval.serving.certaindex.sc import calibrate, replay, run_sc
 
@@ -176,9 +177,11 @@ class ScriptedBackend:
                 self.text += "x" * n
                 return Completion("x" * n, n, n, False)
 
-            def probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Completion:
+            def start_probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Future:
                 answer = backend.probe_answers.pop(0)
-                return Completion(answer + "} \\]", 3, 10, True)
+                done = Future()
+                done.set_result(Completion(answer + "} \\]", 3, 10, True))
+                return done
 
         return Session()
 
@@ -194,9 +197,23 @@ def test_run_cot_exits_at_first_agreeing_window_and_accounts_tokens():
     backend = ScriptedBackend(["3", "5", "4", "4", "4", "9", "9"])
     result = run_cot(backend, "q", max_tokens=100, window=3, chunk=8)
     assert result.exited_early and result.answer == "4" and result.probe_answers == ["3", "5", "4", "4", "4"]
-    assert result.main_tokens == 40 and result.probe_tokens == 15 and result.probe_input_tokens == 50
-    assert result.saved_tokens == 100 - 40 - 15
-    assert result.text.endswith("\\boxed{4}\n\\]")
+    # probe i reads the text after chunk i and runs beside chunk i + 1, which the chain keeps (as Dynasor does)
+    assert result.main_tokens == 48 and result.probe_tokens == 15 and result.probe_input_tokens == 50
+    assert result.saved_tokens == 100 - 48 - 15
+    assert result.text == "x" * 48 + final_answer_block("4", thinking=False)
+    assert result.text.endswith("\\boxed{4}\n\\]") and "</think>" not in result.text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "closes"),
+    [("q <think>\n", True), ("q <think>\n... </think>\n", False), ("q", False)],
+)
+def test_early_exit_closes_an_open_thinking_block(prompt, closes):
+    result = run_cot(ScriptedBackend(["4", "4", "4"]), prompt, max_tokens=100, window=2, chunk=8)
+    assert result.exited_early
+    block = result.text[result.text.index("\n\n...") :]
+    assert block.startswith("\n\n...</think>\n Oh, I have got") == closes
+    assert block.endswith("**Final Answer:**\n\\[\n \\boxed{4}\n\\]")
 
 
 def test_run_cot_inconsistent_probes_use_the_whole_budget():

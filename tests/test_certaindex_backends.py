@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eval.serving.certaindex.__main__ import main
@@ -27,12 +29,21 @@ GREEDY = Sampling(temperature=0.0)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Adds a BOS by default (like Llama's), and its chat template writes one too (like Llama-3's)."""
     chars = [chr(i) for i in range(32, 127)] + ["\n"]
-    vocab = {c: i for i, c in enumerate(chars)} | {"<eos>": len(chars)}
+    vocab = {c: i for i, c in enumerate(chars)} | {"<eos>": len(chars), "<bos>": len(chars) + 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return fast
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +55,10 @@ def backend() -> HFBackend:
         num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # make end-of-sequence rare so chains run their whole budget
-        model.lm_head.weight[tok.eos_token_id] = 0
-        model.lm_head.bias = None
+    # never sample end-of-sequence (chains run their whole budget) or BOS (text round-trips exactly)
+    bias = torch.zeros(len(tok))
+    bias[[tok.eos_token_id, tok.bos_token_id]] = -1e4
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
     return HFBackend(model, tok)
 
 
@@ -117,6 +129,72 @@ def test_http_backend_matches_transformers(backend, server_url):
     assert here.probe_answers and here.main_tokens >= 12
     draws = client.sample("Q: ", 3, 5, Sampling(temperature=1.0, seed=7))
     assert len(draws) == 3 and all(d.tokens == 5 for d in draws)
+
+
+def test_http_prompt_text_gets_no_second_bos(backend, server_url):
+    """The server tokenizes as vLLM does (add_special_tokens defaults to true); chat text already has its BOS."""
+    prompt = backend.chat_format("What is 2+3?")
+    assert prompt.startswith("<bos>") and backend.tokenizer(prompt).input_ids[:2] == [97, 97]
+    client = OpenAIBackend(server_url)
+    reply = client.complete(prompt, 7, GREEDY)
+    local = backend.session(prompt).extend(7, GREEDY)
+    assert reply.input_tokens == backend.encode(prompt).shape[1] == local.input_tokens
+    assert reply.text == local.text
+
+
+class SlowScriptedServer:
+    """An OpenAI-compatible stub whose replies take ``delay`` s; it records when each request ran."""
+
+    def __init__(self, delay: float = 0.3) -> None:
+        self.delay, self.log, self.lock = delay, [], threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._reply({"data": [{"id": "stub"}]})
+
+            def do_POST(self) -> None:
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                start = time.monotonic()
+                time.sleep(outer.delay)
+                probe = req["prompt"].endswith(PROBE_SUFFIX)
+                with outer.lock:
+                    outer.log.append((probe, req["prompt"], start, time.monotonic()))
+                text = "5} \\]" if probe else "step "
+                self._reply({
+                    "choices": [{"text": text, "finish_reason": "stop" if probe else "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 3 if probe else req["max_tokens"]},
+                })  # fmt: skip
+
+            def log_message(self, format: str, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+
+def test_http_probes_run_beside_the_next_chunk():
+    stub = SlowScriptedServer()
+    try:
+        result = run_cot(OpenAIBackend(stub.url), "Q:", max_tokens=40, chunk=8, window=100)
+    finally:
+        stub.server.shutdown()
+        stub.server.server_close()
+    chunks = sorted((r for r in stub.log if not r[0]), key=lambda r: r[2])
+    probes = [r for r in stub.log if r[0]]
+    assert len(chunks) == 5 and len(probes) == 4 and result.main_tokens == 40
+    for k, (_, prompt, start, end) in enumerate(sorted(probes, key=lambda r: r[2]), 1):
+        assert prompt == "Q:" + "step " * k + PROBE_SUFFIX  # the text after chunk k, not a later one
+        beside = chunks[k]  # chunk k + 1 was in flight at the same time
+        assert beside[2] < end and start < beside[3], (k, start, end, beside)
 
 
 def test_http_errors_are_one_line(server_url):

@@ -1,7 +1,8 @@
 """What Certaindex needs from an inference engine, and how a ``--model`` string picks one.
 
-A backend opens a *session* on a prompt: ``extend`` grows the main chain of thought by one chunk, ``probe``
-asks a side question about the text so far without changing it, and ``sample`` draws independent full
+A backend opens a *session* on a prompt: ``extend`` grows the main chain of thought by one chunk,
+``start_probe`` asks a side question about the text so far without changing it (an HTTP engine returns while
+the probe is in flight, so it runs beside the next chunk; transformers runs it first, on the shared cache), and ``sample`` draws independent full
 completions for self-consistency.  Every call reports the tokens it generated and the input tokens it had to
 process, so callers can account main, probe and saved tokens per request.  Two engines implement it:
 transformers (``hf_backend``, probes reuse the session's KV cache) and any OpenAI-compatible completions
@@ -10,6 +11,7 @@ endpoint such as vLLM (``http_backend``).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,7 +50,7 @@ class Session(Protocol):
 
     def extend(self, max_tokens: int, sampling: Sampling) -> Completion: ...
 
-    def probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Completion: ...
+    def start_probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Future[Completion]: ...
 
 
 class Backend(Protocol):

@@ -2,11 +2,14 @@
 
 The chain grows in chunks; after each chunk a side probe appends the paper's "I suddenly got the answer ...
 \\boxed{" text to the chain so far and lets the model finish the box (at most 20 tokens, temperature 0.6,
-top_p 0.95).  The probe never becomes part of the chain.  When the exit rule holds, the chain stops and a
-final answer block with the agreed answer is appended.  Chunk i of the main chain uses seed ``seed + i``
-whether or not probes run, and the transformers backend restores its cache after each probe, so an
-early-exit chain is a prefix of the full-budget chain with the same seed: the two differ only in where they
-stop.  Token accounting per request: main tokens, probe tokens (and probe input tokens), saved tokens.
+top_p 0.95).  The probe never becomes part of the chain.  As in the reference client, the probe on the text
+after chunk i runs beside chunk i + 1 (concurrently over HTTP; before it on the transformers backend, whose
+probe needs the shared cache: same tokens either way), and the exit rule is checked when both are back, so an
+exit keeps chunk i + 1.  Then a final answer block with the agreed answer is appended, closing the thinking
+block first when the chain is still inside ``<think>`` (reasoning models' templates open one).  Chunk i of
+the main chain uses seed ``seed + i`` whether or not probes run, and the transformers backend restores its
+cache after each probe, so an early-exit chain is a prefix of the full-budget chain with the same seed: the
+two differ only in where they stop.  Token accounting per request: main tokens, probe tokens (and probe input tokens), saved tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +25,15 @@ PROBE_MAX_TOKENS = 20
 _PROBE_SEED_OFFSET = 1_000_003  # keeps probe seeds apart from the main chain's chunk seeds
 
 
-def final_answer_block(answer: str) -> str:
-    return f"\n\n... Oh, I have got the answer to the whole problem\n**Final Answer:**\n\\[\n \\boxed{{{answer}}}\n\\]"
+def final_answer_block(answer: str, thinking: bool) -> str:
+    """What an early exit appends (the reference client's text); ``thinking``: close the open ``<think>``."""
+    head = "\n\n...</think>\n Oh," if thinking else "\n\n... Oh,"
+    return f"{head} I have got the answer to the whole problem\n**Final Answer:**\n\\[\n \\boxed{{{answer}}}\n\\]"
+
+
+def thinking_open(text: str) -> bool:
+    """Whether ``text`` (prompt + chain) is inside a ``<think>`` block: the last tag is an opening one."""
+    return text.rfind("<think>") > text.rfind("</think>")
 
 
 @dataclass
@@ -68,29 +78,30 @@ def run_cot(
     probes: list[Probe] = []
     main_tokens = probe_tokens = probe_input = 0
     finished = exited = False
-    step = -1
-    while main_tokens < max_tokens and not finished:
-        step += 1
+    step = 0
+    while main_tokens < max_tokens and not finished and not exited:
+        pending = None
+        if early_exit and step > 0:  # probe the text after chunk step - 1 while chunk step is generated
+            seed = probe_sampling.seed + sampling.seed * 7919 + _PROBE_SEED_OFFSET + step - 1
+            pending = session.start_probe(PROBE_SUFFIX, probe_max_tokens, replace(probe_sampling, seed=seed))
         part = session.extend(
             min(chunk, max_tokens - main_tokens), replace(sampling, seed=sampling.seed + step)
         )
+        step += 1
+        if pending is not None:
+            reply = pending.result()
+            probe_tokens += reply.tokens
+            probe_input += reply.input_tokens
+            probes.append(Probe(reply.text, extract_probe_answer(reply.text)))
+            exited = should_exit(probes, window) and not part.finished  # a chain that ended keeps its own
         if part.tokens == 0:
             break
         main_tokens += part.tokens
         finished = part.finished
-        if early_exit and not finished and main_tokens < max_tokens:
-            seed = probe_sampling.seed + sampling.seed * 7919 + _PROBE_SEED_OFFSET + step
-            reply = session.probe(PROBE_SUFFIX, probe_max_tokens, replace(probe_sampling, seed=seed))
-            probe_tokens += reply.tokens
-            probe_input += reply.input_tokens
-            probes.append(Probe(reply.text, extract_probe_answer(reply.text)))
-            if should_exit(probes, window):
-                exited = True
-                break
     text = session.text
     if exited:
         answer = probes[-1].answer
-        text += final_answer_block(answer)
+        text += final_answer_block(answer, thinking_open(prompt + text))
     else:
         answer = extract_final_answer(text, choices)
     saved = (max_tokens - main_tokens if exited else 0) - probe_tokens

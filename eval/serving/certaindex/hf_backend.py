@@ -11,6 +11,7 @@ prefill the prompt once and repeat that cache across the batch.
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
@@ -119,6 +120,12 @@ class HFSession:
         return Completion(
             self.backend.decode(new[0, :tokens]), tokens, self.ids.shape[1] - tokens - cached, self.finished
         )
+
+    def start_probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Future[Completion]:
+        """The probe, run to completion now: it needs the session's cache, which the next chunk extends."""
+        done: Future[Completion] = Future()
+        done.set_result(self.probe(suffix, max_tokens, sampling))
+        return done
 
     def probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Completion:
         ids = torch.cat([self.ids, self.backend.encode(suffix)], dim=1)

@@ -2,7 +2,9 @@
 
 A session is the prompt text plus the chain so far; each chunk and each probe is one ``/completions``
 request on that text, so the server's prefix cache (vLLM's automatic prefix caching) plays the role the KV
-cache plays in the transformers backend.  Self-consistency sends its n samples as n concurrent requests with
+cache plays in the transformers backend.  Prompts go with ``add_special_tokens: false``: they are rendered chat
+text that already starts with the template's BOS, and vLLM would otherwise add a second one.  A probe is sent
+while the next chunk is generated (``start_probe``: a thread pool), as the reference client does.  Self-consistency sends its n samples as n concurrent requests with
 seeds seed..seed+n-1, so each sample's ``usage`` gives its own token count and the server can batch them.
 Only the standard library is used (urllib), so no client package is needed.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from .backends import Completion, Sampling, render_chat
@@ -27,6 +29,7 @@ class OpenAIBackend:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.model = model or self._request("GET", "/models")["data"][0]["id"]
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="certaindex-probe")
         self.tokenizer = None
         if tokenizer:
             from transformers import AutoTokenizer
@@ -62,6 +65,7 @@ class OpenAIBackend:
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "seed": sampling.seed,
+                "add_special_tokens": False,  # the prompt is rendered chat text that holds its own BOS
             },
         )
         choice, usage = reply["choices"][0], reply.get("usage") or {}
@@ -101,5 +105,7 @@ class HTTPSession:
         self.finished = result.finished
         return result
 
-    def probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Completion:
-        return self.backend.complete(self.prompt + self.text + suffix, max_tokens, sampling)
+    def start_probe(self, suffix: str, max_tokens: int, sampling: Sampling) -> Future[Completion]:
+        """Send the probe on the text so far now; it stays in flight while the next chunk is generated."""
+        text = self.prompt + self.text + suffix
+        return self.backend.pool.submit(self.backend.complete, text, max_tokens, sampling)

@@ -2,8 +2,9 @@
 
 For trying the HTTP path of Certaindex without vLLM (which needs CUDA or its own CPU build) and for the
 loopback test of ``http_backend``.  It serves ``GET /v1/models`` and ``POST /v1/completions`` (string
-prompt, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``n`` = 1) with ``usage`` token counts, one
-request at a time.  It binds to 127.0.0.1 unless told otherwise; it has no authentication.
+prompt, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``n`` = 1, ``add_special_tokens``) with
+``usage`` token counts, one request at a time.  It tokenizes the prompt as vLLM does: with the tokenizer's
+special tokens (a BOS for Llama-style tokenizers) unless the request says ``add_special_tokens: false``.  It binds to 127.0.0.1 unless told otherwise; it has no authentication.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from transformers import DynamicCache
 
 from .backends import Sampling
 from .hf_backend import HFBackend
@@ -50,6 +53,9 @@ def make_server(backend: HFBackend, name: str, host: str = "127.0.0.1", port: in
                 prompt, max_tokens = req["prompt"], int(req.get("max_tokens", 16))
                 if not isinstance(prompt, str) or int(req.get("n", 1)) != 1 or max_tokens < 1:
                     raise ValueError("prompt must be one string, n must be 1, max_tokens must be >= 1")
+                special = req.get("add_special_tokens", True)
+                if not isinstance(special, bool):
+                    raise ValueError("add_special_tokens must be true or false")
                 sampling = Sampling(
                     float(req.get("temperature", 1.0)),
                     float(req.get("top_p", 1.0)),
@@ -57,15 +63,21 @@ def make_server(backend: HFBackend, name: str, host: str = "127.0.0.1", port: in
                 )
             except (KeyError, ValueError, TypeError, json.JSONDecodeError) as err:
                 return self._error(400, f"bad request: {err}")
+            ids = backend.tokenizer(prompt, add_special_tokens=special, return_tensors="pt").input_ids
             with lock:
-                session = backend.session(prompt)
-                result = session.extend(max_tokens, sampling)
-            usage = {"prompt_tokens": result.input_tokens, "completion_tokens": result.tokens}
+                new = backend.generate(
+                    ids.to(backend.model.device),
+                    DynamicCache(config=backend.model.config),
+                    max_tokens,
+                    sampling,
+                )
+            tokens, finished = backend.count(new[0])
+            usage = {"prompt_tokens": ids.shape[1], "completion_tokens": tokens}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             choice = {
                 "index": 0,
-                "text": result.text,
-                "finish_reason": "stop" if result.finished else "length",
+                "text": backend.decode(new[0, :tokens]),
+                "finish_reason": "stop" if finished else "length",
             }
             self._reply(
                 200,
