@@ -193,23 +193,26 @@ def activations(s: Shape, b: Batch, checkpointing: bool) -> dict[str, int]:
     (the KD loss's logit chunk, or one layer's backward, recomputed first under checkpointing)."""
     tokens, a = b.tokens, b.act_bytes
     upper = s.layers - s.num_key_value_layers
-    if not b.shared_lower_layers:  # the naive path: the student runs every layer with a graph
-        upper = s.layers
     per_layer = tokens * _layer_saved(s, b)
+    rows = s.hidden if b.shared_lower_layers else s.vocab  # what the KD chunks slice: hidden states or logits
     out = {
         "student layers": upper * tokens * a * s.hidden if checkpointing else upper * per_layer,
         # each group's K and V after RoPE, and norm_swiftkv's normalized input and output
         "swiftkv K/V": tokens * (s.groups * 2 * a * s.kv_heads * s.head_dim + 2 * a * s.hidden),
-        "loss inputs": tokens * (4 * s.hidden + 2 * a * s.hidden),  # MSE difference, KD rows of both paths
+        "loss inputs": tokens * (4 * s.hidden + 2 * a * rows),  # MSE difference, KD rows of both paths
         # packed rows: a block-diagonal bool mask and sdpa's additive copy of it
         "attention mask": b.packed * b.micro_batch * b.seq_len**2 * (1 + a),
     }
     kd = KD_LOGIT_COPIES * 4 * min(b.chunk_tokens, tokens) * s.vocab
-    layer = tokens * _layer_working(s, b) + checkpointing * per_layer
-    if kd >= layer:
-        out["KD logit chunk (peak)"] = kd
-    else:
-        out["one layer's backward (peak)"] = layer
+    peaks = {  # transients that never coexist: the largest is the peak on top of what autograd keeps
+        "KD logit chunk (peak)": kd,
+        "one layer's backward (peak)": tokens * _layer_working(s, b) + checkpointing * per_layer,
+    }
+    if not b.shared_lower_layers:  # two full passes: both logits and all hidden states until the loss
+        full = 2 * tokens * a * (s.vocab + (s.layers + 1) * s.hidden)
+        peaks["both passes' logits, hidden states, KD chunk (peak)"] = full + kd
+    name = max(peaks, key=peaks.get)
+    out[name] = peaks[name]
     return out
 
 
