@@ -15,11 +15,13 @@ The numbers follow what this toolkit's training step keeps alive, not a generic 
   and the loss keep tensors for backward.  Per student layer and token (``a`` = bytes of the activation dtype):
   both RMSNorm inputs in fp32 (``2 x 4h``), ``q_proj_swiftkv``'s input (``a h``), the attention's query, output
   and log-sum-exp (``2 a H d + 4 H``; sdpa/flash keep no ``seq x seq`` scores), and the MLP's gate, SiLU output
-  and up projection (``3 a I``); per group, the K/V before and after RoPE (``3 a K d``).  With gradient
-  checkpointing a student layer keeps only its input (``a h``) and one layer is recomputed at a time.  On top:
-  one layer's backward working set, the packed-sequence attention mask (``seq^2`` bytes per row) and the
-  chunked KD loss: ``chunk_tokens x vocab`` fp32 logits in a few copies (student and teacher log-softmax,
-  their gradient) plus the counted rows' hidden states of both paths.
+  and up projection (``3 a I``); per group, K after RoPE and V (``2 a K d``); ``norm_swiftkv``'s normalized
+  input and output (``2 a h``); the MSE difference (``4h``) and the KD rows of both paths (``2 a h``); packed
+  rows' block-diagonal mask and sdpa's additive copy (``(1 + a) seq^2`` per row).  With gradient checkpointing
+  a student layer keeps only its input (``a h``).  On top comes the largest of the transients that never
+  coexist: the KD loss's ``chunk_tokens x vocab`` fp32 logits in ``KD_LOGIT_COPIES`` copies, or one layer's
+  backward (``a (2 I + 4 h)`` per token, plus that layer's recomputed activations under checkpointing).  The
+  naive two-pass baseline (``shared_lower_layers: false``) also holds both passes' logits and hidden states.
 * **Communication buffers** from the DeepSpeed config: the gradient reduce bucket (two with ``overlap_comm``),
   the ZeRO-1/2 parameter all-gather bucket and the ZeRO-3 prefetch bucket, each capped by what there is to move.
 * **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.calibrate``), a separate phase before the
