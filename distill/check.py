@@ -32,8 +32,15 @@ EPILOG = """examples:
 """
 
 
+class _Parser(ArgumentParser):
+    """Overrides may come before or after the options (``RECIPE --config X key=value``)."""
+
+    def parse_args(self, args=None, namespace=None):
+        return self.parse_intermixed_args(args, namespace)
+
+
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
+    parser = _Parser(
         prog="python -m distill check",
         description="Validate a distillation recipe, its data and its per-GPU memory plan (no weights loaded).",
         epilog=EPILOG,
@@ -283,9 +290,7 @@ def check(args) -> None:
             f"(to resolve, {'; '.join(fixes)})"
         )
     if args.no_data:
-        print(
-            f"data: not checked (--no-data): rows, layouts and logins of {len(recipe.data.sources)} sources"
-        )
+        print(f"data: not checked (--no-data): {len(recipe.data.sources)} sources' rows, layouts and logins")
         return
     if args.tokenizer is not None:
         tokenizer_dir = args.tokenizer

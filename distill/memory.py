@@ -25,9 +25,9 @@ The numbers follow what this toolkit's training step keeps alive, not a generic 
 * **Communication buffers** from the DeepSpeed config: the gradient reduce bucket (two with ``overlap_comm``),
   the ZeRO-1/2 parameter all-gather bucket and the ZeRO-3 prefetch bucket, each capped by what there is to move.
 * **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.calibrate``), a separate phase before the
-  optimizer exists: one layer's weights (plus the ZeRO-3 shards), H^T H and its LU factor ((h+1)^2 float64
-  each), one group's H^T Y, solutions and copy projections for K and V ((h+1) x K d float64 each), and one
-  batch of activations.
+  optimizer exists: one layer's weights (plus the ZeRO-3 shards), H^T H, the ridge system and its LU factor
+  (``3 x 8 (h+1)^2``), one group's K/V moments and copy weights (``4 x 8 (h+1) K d``), and one micro-batch of
+  activations (a layer's forward plus the float64 features, ``8 (h+1)`` per token).
 
 The activation terms are checked against the peak memory of real CPU runs of the objective
 (tests/test_distill_check.py); the model states against DeepSpeed's estimators.
@@ -236,15 +236,15 @@ def comm_buffers(params: Params, par: Parallel, grad_bytes: int = 2) -> dict[str
 def lstsq_init(s: Shape, params: Params, b: Batch, par: Parallel, weight_bytes: int = 2) -> dict[str, int]:
     """Per-GPU bytes of the least-squares K/V init (``swiftkv.calibrate``), which runs before the optimizer
     exists, layer by layer on every rank: one layer's weights (gathered under ZeRO-3, beside this rank's
-    shards), H^T H and its LU factor, one group's H^T Y with its solutions and copy projections for K and V,
-    and one batch of activations (the batches' hidden states wait on the host)."""
+    shards), H^T H with the ridge system and its LU factor, one group's K/V moments and copy weights (float64),
+    and one micro-batch of activations (the batches' hidden states wait on the host)."""
     h1, kv = s.hidden + 1, s.kv_heads * s.head_dim
     layer = max(s.vocab * s.hidden, (params.total - 2 * s.vocab * s.hidden) // s.layers)
     out = {}
     if par.stage == 3 and not par.offload_params:
         out["weights (ZeRO-3 shards)"] = params.total * weight_bytes // par.processes
     out["one layer's weights"] = weight_bytes * layer
-    out["H^T H + LU factor"] = 2 * 8 * h1 * h1
-    out["H^T Y, solutions, copies (K, V)"] = 3 * 2 * 8 * h1 * kv
-    out["one batch of activations"] = b.tokens * (_layer_working(s, b) + 8 * h1 + 2 * 8 * kv)
+    out["H^T H, ridge system, LU factor"] = 3 * 8 * h1 * h1
+    out["one group's K/V moments + copies"] = 4 * 8 * h1 * kv
+    out["one batch of activations"] = b.tokens * (_layer_working(s, b) + 8 * h1)
     return out

@@ -19,16 +19,17 @@ after an interruption continues where it stopped.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
+from swiftkv.assets import model_dir
+from swiftkv.cliargs import ArgumentParser, add_dtype, add_limit, add_out, add_seed, existing_path, run
+
 EPILOG = """examples:
   flock /tmp/bench.lock python scripts/bench_certaindex.py \\
-      --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --problems 16 --out out/bench/certaindex.json
-  python scripts/bench_certaindex.py --model MODEL_DIR --skip-sc --preset high --cot-max-tokens 512
+      ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --limit 16 --out out/bench/certaindex.json
+  python scripts/bench_certaindex.py MODEL_DIR --skip-sc --preset high --cot-max-tokens 512
 """
 
 
@@ -166,16 +167,15 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('lost', '-'):>4} {r.get('gained', '-'):>4} {secs:>7}")  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.splitlines()[0], epilog=EPILOG)
     parser.add_argument(
-        "--model", default=os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct")
+        "model", nargs="?", type=existing_path, default=str(model_dir()), help="default: SmolLM2"
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--problems", type=int, default=16)
+    add_dtype(parser, "float32", ("float32", "bfloat16"))
+    add_limit(parser, 16, "generated problems")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the generated problems")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_seed(parser)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--preset", default="crazy", help="CoT exit preset (W, chunk)")
@@ -195,13 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--skip-cot", action="store_true")
     parser.add_argument("--skip-sc", action="store_true")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/bench/certaindex.json"),
+    add_out(
+        parser,
+        "out/bench/certaindex.json",
         help="rows and options as JSON; per-problem records go to OUT with suffix .jsonl (resumable)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def bench(args) -> None:
 
     import torch
 
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     backend = HFBackend.from_pretrained(args.model, args.dtype)
-    problems = arithmetic(args.problems, args.data_seed)
+    problems = arithmetic(args.limit, args.data_seed)
     arms = [arm for arm, skip in (((solve_cot, cot_rows), args.skip_cot), ((solve_sc, sc_rows), args.skip_sc))
             if not skip]  # fmt: skip
     index = {p.id: i for i, p in enumerate(problems)}
@@ -220,18 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     def solve(p) -> dict:
         return {k: v for solve_one, _ in arms for k, v in solve_one(backend, p, index[p.id], args).items()}
 
-    # --problems only cuts the seeded problem list (problem i and its seeds do not depend on it), so it stays
+    # --limit only cuts the seeded problem list (problem i and its seeds do not depend on it), so it stays
     # out of the resume header: rerun with fewer problems to summarize an interrupted run's finished ones.
     options = {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "problems")
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "limit")
     }
     records = run_resumable(problems, solve, args.out.with_suffix(".jsonl"), options)
     rows = [row for _, make_rows in arms for row in make_rows(records, args)]
     print_table(rows)
     write_json_atomic(
-        args.out, {"rows": rows, "options": {**options, "problems": args.problems, "out": str(args.out)}}
+        args.out, {"rows": rows, "options": {**options, "limit": args.limit, "out": str(args.out)}}
     )
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

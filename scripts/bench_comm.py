@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distill.comm import AdaRevision, CommConfig, register_comm_hook
 from swiftkv.artifacts import write_json_atomic
+from swiftkv.cliargs import ArgumentParser, add_out, run
 
 DIM, HIDDEN, OUT, BATCH = 32, 256, 8, 32
 
@@ -185,10 +186,9 @@ def print_table(summary: dict, world: int, steps: int, staleness: int) -> None:
         print(f"{r['name']:34} loss {r['loss']:.5f}  ({ratio})")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  flock /tmp/bench.lock python scripts/bench_comm.py --world 2 --out comm.json\n"
         "  python scripts/bench_comm.py --world 4 --steps 150 --repeats 2 --budgets 0.1 0.3",
     )
@@ -200,8 +200,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--grid", type=float, nargs="+", default=[0.03, 0.1, 0.3, 1.0], help="tuned SGD lrs")
     parser.add_argument("--ada-lr", type=float, default=0.1, help="AdaRevision's single step size")
-    parser.add_argument("--out", type=Path, default=None, help="JSON with the raw rows and the medians")
-    args = parser.parse_args(argv)
+    add_out(parser, help="JSON with the raw rows and the medians", required=False)
+    return parser
+
+
+def bench(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "rows.json"
         mp.spawn(_worker, args=(args.world, f"file://{tmp}/store", args, str(raw)), nprocs=args.world)
@@ -210,8 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(summary, args.world, args.steps, args.staleness)
     if args.out:
         write_json_atomic(args.out, summary)
-    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,16 +5,14 @@ and the student as two full forward passes, as the reference trainer does.  Each
 optimizer-free training step (forward, KD loss, backward) of each variant in alternating order on the same
 packed ShareGPT rows; the table reports medians.
 
-    python scripts/bench_distill.py --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --fraction 0.5
+    python scripts/bench_distill.py ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --fraction 0.5
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,6 +21,7 @@ from distill.objective import DistillationObjective
 from distill.recipe import LossSection
 from eval.quality import held_out_rows
 from eval.speed import interleaved
+from swiftkv.cliargs import ArgumentParser, add_model, add_out, run
 from swiftkv.convert import resolve_num_key_value_layers, to_swiftkv
 
 
@@ -33,17 +32,18 @@ def step_seconds(objective: DistillationObjective, batch: tuple[torch.Tensor, ..
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, required=True)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__)
+    add_model(parser)
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("out/bench/distill.json"))
-    args = parser.parse_args(argv)
+    add_out(parser, "out/bench/distill.json")
+    return parser
+
+
+def bench(args) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -84,5 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

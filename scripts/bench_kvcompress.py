@@ -8,21 +8,20 @@ tokens.  Latency: median decode-step time after prefilling --latency-contexts to
 in every repeat, as a ratio to the full cache measured in the same run.
 
 examples:
-  python scripts/bench_kvcompress.py --model MODEL --factors out/kv --out out/bench_kv.json
-  python scripts/bench_kvcompress.py --model MODEL --factors out/kv --methods full,tale:0.25,quant:4 \\
-      --samples 2 --latency-contexts 2048 --repeats 1
+  python scripts/bench_kvcompress.py MODEL out/kv --out out/bench_kv.json
+  python scripts/bench_kvcompress.py MODEL out/kv --methods full,tale:0.25,quant:4 \\
+      --limit 2 --latency-contexts 2048 --repeats 1
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
-from kvcompress.calibrate import accumulate
+from kvcompress.calibrate import accumulate, chat_sequences
 from kvcompress.evaluate import (
     compare,
     continuation_logits,
@@ -30,44 +29,46 @@ from kvcompress.evaluate import (
     energy_error,
     fp16_kv_bytes,
     kv_bytes,
-    long_sequences,
     make_method,
     weight_svd_bases,
 )
 from kvcompress.factors import load_factors
+from swiftkv.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add_out, int_list, run
 
 DEFAULT_METHODS = "full,hf-fp8,quant:4,quant:2,lowrank:8:16,lowrank:16:16,lowrank:16:4,lowrank:24:4,tale:0.25,tale:0.375,tale:0.5"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model directory")
-    p.add_argument("--factors", required=True, help="factors directory from `kvcompress calibrate`")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__)
+    add_model(p)
+    add_model(p, "factors", help="factors directory from `kvcompress calibrate`")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list (see kvcompress.evaluate)")
-    p.add_argument("--samples", type=int, default=6, help="held-out sequences for quality")
+    add_limit(p, 6, "held-out sequences for quality")
     p.add_argument("--prefix", type=int, default=1024, help="prefilled tokens per sequence")
     p.add_argument("--continuation", type=int, default=256, help="scored tokens per sequence")
     p.add_argument("--chunk", type=int, default=16, help="continuation tokens per forward")
-    p.add_argument("--latency-contexts", default="2048,4096,8192", help="comma list; empty to skip")
+    p.add_argument(
+        "--latency-contexts", type=int_list, default=[2048, 4096, 8192], help="comma list; empty to skip"
+    )
     p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype(p, "bfloat16", ("bfloat16", "float32"))
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: small decode ops do not wait on busy cores)"
     )
     p.add_argument(
         "--compare-bases", action="store_true", help="held-out energy lost: calibrated PCA vs weight SVD"
     )
-    p.add_argument("--out", help="write the results as JSON here")
-    return p.parse_args(argv)
+    add_out(p, help="write the results as JSON here", required=False)
+    return p
 
 
 def quality(model, tok, factors, args) -> dict[str, dict]:
     methods = args.methods.split(",")
-    seqs = list(long_sequences(tok, args.prefix + args.continuation, args.samples, 0))
+    seqs = list(chat_sequences(tok, args.prefix + args.continuation, args.limit, split="heldout"))
     totals = {
         m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
         for m in methods
@@ -106,8 +107,8 @@ def quality(model, tok, factors, args) -> dict[str, dict]:
 def latency(model, tok, factors, args) -> dict[str, dict]:
     out: dict[str, dict] = {}
     methods = args.latency_methods.split(",")
-    for ctx in [int(c) for c in args.latency_contexts.split(",") if c]:
-        ids = next(long_sequences(tok, ctx, 1, 1000))
+    for ctx in args.latency_contexts:
+        ids = next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000))
         steps = {m: [] for m in methods}
         for r in range(args.repeats):
             for m in methods:  # interleaved A/B: every repeat runs every method once
@@ -127,7 +128,7 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
 
 def compare_bases(model, tok, factors, ranks=(16, 32, 48)) -> dict[str, dict]:
     """Held-out energy each basis loses at each rank, averaged over layers and heads."""
-    moments = accumulate(model, long_sequences(tok, 512, 4, 500))
+    moments = accumulate(model, chat_sequences(tok, 512, 4, split="heldout", offset=500))
     heads = factors.meta["num_key_value_heads"]
     rows: dict[str, dict] = {}
     for idx, (km, vm, n) in moments.layers.items():
@@ -141,8 +142,7 @@ def compare_bases(model, tok, factors, ranks=(16, 32, 48)) -> dict[str, dict]:
     return {name: {r: statistics.mean(v) for r, v in per.items()} for name, per in rows.items()}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def bench(args) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,13 +150,13 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     factors = load_factors(args.factors)
     factors.check_model(model.config, model)
-    q = quality(model, tok, factors, args) if args.samples else {}
+    q = quality(model, tok, factors, args) if args.limit else {}
     lat = latency(model, tok, factors, args) if args.latency_contexts else {}
     bases = compare_bases(model, tok, factors) if args.compare_bases else {}
 
     if q:
         print(
-            f"\nquality: {args.samples} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
+            f"\nquality: {args.limit} held-out ShareGPT sequences, prefix {args.prefix}, continuation {args.continuation}"
         )
         w = max(len(m) for m in q) + 2
         print(f"{'method':<{w}}{'KV x vs fp16':>13}{'ppl':>10}{'Δppl %':>9}{'KL':>9}{'top1':>8}")
@@ -184,8 +184,11 @@ def main(argv=None) -> int:
             args.out,
             {"args": vars(args), "quality": q, "latency": lat, "bases": bases, "anchor": "TALE paper: 9.1x"},
         )
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

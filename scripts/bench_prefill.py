@@ -7,13 +7,12 @@ column times one new token against a cache of ``--decode-context`` tokens (the c
 each step).  The FLOP-ideal speedup is ``swiftkv.flops.ideal_prefill_speedup`` (projections + causal attention
 + last-token logits; formula in that module's docstring).
 
-    python scripts/bench_prefill.py --model ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct
-    python scripts/bench_prefill.py --model out/smollm2-swiftkv50 --lengths 512,1024 --repeats 3
+    python scripts/bench_prefill.py ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct
+    python scripts/bench_prefill.py out/smollm2-swiftkv50 --lengths 512,1024 --repeats 3
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eval.speed import decode_times, prefill_times
+from swiftkv.cliargs import ArgumentParser, add_model, add_out, int_list, run
 from swiftkv.convert import read_config, resolve_num_key_value_layers, to_swiftkv
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
 
@@ -48,28 +48,26 @@ def variants(original, specs: list[tuple[float, int]]) -> dict[str, torch.nn.Mod
     return models
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", type=Path, required=True, help="base HF checkpoint (or a SwiftKV one: its teacher)"
-    )
-    parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--lengths", default="512,1024,2048,4096")
-    parser.add_argument("--batches", default="1,8")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__)
+    add_model(parser, help="base HF checkpoint (or a SwiftKV one: its teacher)")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma list of " + ", ".join(DTYPES))
+    parser.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096])
+    parser.add_argument("--batches", type=int_list, default=[1, 8])
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="skip batch x length above this")
     parser.add_argument("--variants", default="0.25:1,0.25:2,0.5:1,0.5:2", help="fraction:group_size,...")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=Path("out/bench/prefill.json"))
-    args = parser.parse_args(argv)
+    add_out(parser, "out/bench/prefill.json")
+    return parser
+
+
+def bench(args) -> None:
     torch.set_num_threads(args.threads)
     specs = [(float(f), int(g)) for f, g in (v.split(":") for v in args.variants.split(","))]
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    lengths, batches = args.lengths, args.batches
     rows = []
     for dtype_name in args.dtypes.split(","):
         models = variants(load_original(args.model, DTYPES[dtype_name]), specs)
@@ -149,5 +147,9 @@ def print_table(rows: list[dict]) -> None:
             )
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

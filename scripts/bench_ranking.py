@@ -13,20 +13,21 @@ the cost model's decode capacity, interleaving the policies over arrival seeds a
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-from eval.serving.ranking.predictors import Ranker
 from eval.serving.ranking.simulator import CostModel, SimConfig, run_policies
-from eval.serving.ranking.train import TrainConfig, evaluate_ranker, held_out_traces, train_ranker
-
-
-def _csv(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
+from eval.serving.ranking.train import (
+    TrainConfig,
+    evaluate_ranker,
+    held_out_traces,
+    load_ranker,
+    train_ranker,
+)
+from swiftkv.cliargs import ArgumentParser, add_model, add_out, existing_path, float_list, run
 
 
 def tau_table(args) -> tuple[dict[str, list[dict]], dict[str, Path]]:
@@ -69,7 +70,10 @@ def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
     traces = held_out_traces(next(iter(rankers.values())), args.traces)
     prompt_len = np.array([t.prompt_len for t in traces])
     output_len = np.array([t.output_len for t in traces])
-    scores = {name: Ranker(path).score([t.prompt for t in traces]) for name, path in rankers.items()}
+    scores = {
+        name: load_ranker(path, args.traces).score([t.prompt for t in traces])
+        for name, path in rankers.items()
+    }
     # capacity (req/s): a request's share of full-batch decode iterations plus its prefill tokens
     per_request = output_len.mean() * cost.iteration(0, args.max_batch) / args.max_batch
     capacity = 1.0 / (per_request + cost.prefill_token * prompt_len.mean())
@@ -117,11 +121,9 @@ def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("traces")
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__)
+    add_model(parser, "traces", help="traces directory (from `python -m eval.serving.ranking traces`)")
     parser.add_argument(
         "--work", type=Path, default=Path("out/bench_ranking"), help="trained rankers (reused)"
     )
@@ -134,14 +136,19 @@ def main() -> None:
     parser.add_argument("--list-size", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--held-out", type=float, default=0.2, help="held-out fraction of each split")
-    parser.add_argument("--cost-model", help="JSON from `python -m eval.serving.ranking calibrate`")
-    parser.add_argument("--loads", type=_csv(float), default=[0.5, 0.9, 1.5], help="offered load / capacity")
+    parser.add_argument(
+        "--cost-model", type=existing_path, help="JSON from `python -m eval.serving.ranking calibrate`"
+    )
+    parser.add_argument("--loads", type=float_list, default=[0.5, 0.9, 1.5], help="offered load / capacity")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--sim-seeds", type=int, default=3)
     parser.add_argument("--token-budget", type=int, default=512)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--out")
-    args = parser.parse_args()
+    add_out(parser, help="write the tables as JSON", required=False)
+    return parser
+
+
+def bench(args) -> None:
 
     taus, rankers = tau_table(args)
     print(
@@ -192,8 +199,12 @@ def main() -> None:
         from swiftkv.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": vars(args), "tau": summary, "latency": rows})
-        print(json.dumps({"written": args.out}))
+        print(json.dumps({"written": str(args.out)}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

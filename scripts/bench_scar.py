@@ -28,9 +28,7 @@ keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch Swift
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -45,6 +43,8 @@ from tqdm.auto import tqdm
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, pick_blocks
 from distill.scar.running import RunningCheckpoint
+from swiftkv.artifacts import write_json_atomic
+from swiftkv.cliargs import ArgumentParser, add_out, existing_path, run
 
 STRATEGIES = ("full+rollback", "full+partial", "scar-max-change", "scar-round-robin", "scar-random")
 
@@ -233,12 +233,11 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="examples:\n  python scripts/bench_scar.py --problems lsq --trials 10\n"
         "  flock /tmp/bench.lock python scripts/bench_scar.py --out bench_scar.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--problems", nargs="+", choices=sorted(PROBLEMS), default=["lsq", "swiftkv"])
     parser.add_argument("--trials", type=int, default=20, help="failures per problem (seeds 0..N-1)")
@@ -249,14 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cap", type=int, default=500, help="give up recovering after this many steps")
     parser.add_argument(
         "--workdir",
-        type=Path,
+        type=existing_path,
         help="where the checkpoints go (default: system temp; /dev/shm skips disk fsyncs)",
     )
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 is faster for lsq on a busy machine)"
     )
-    parser.add_argument("--out", type=Path, help="write the rows and summary as JSON")
-    args = parser.parse_args(argv)
+    add_out(parser, help="write the rows and summary as JSON", required=False)
+    return parser
+
+
+def bench(args) -> None:
     torch.set_num_threads(args.threads)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -276,10 +278,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{v['bytes_per_step']:.0f} |"
             )
     if args.out:
-        tmp_out = args.out.with_name(f".{args.out.name}.tmp")
-        tmp_out.write_text(json.dumps(result, indent=1))
-        tmp_out.replace(args.out)
+        write_json_atomic(args.out, result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

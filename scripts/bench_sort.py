@@ -11,7 +11,6 @@ repeats, medians, against numpy's argsort measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -20,6 +19,7 @@ import time
 import numpy as np
 
 from eval.serving.ranking import multipivot as mp
+from swiftkv.cliargs import ArgumentParser, add_out, add_seed, run
 
 
 def count_table(n: int, cache_n: int, block: int, blocks: int, cutoff: int, seed: int) -> list[dict]:
@@ -57,22 +57,20 @@ def time_table(n: int, repeats: int, cutoff: int, seed: int) -> dict[str, float]
         "numpy quicksort": lambda: np.argsort(keys, kind="quicksort"),
         "numpy stable": lambda: np.argsort(keys, kind="stable"),
     }
-    for name, run in runs.items():  # warm-up (numba compile) and a correctness check
+    for name, contender in runs.items():  # warm-up (numba compile) and a correctness check
         if "pivot" in name:
-            assert np.array_equal(run(), expected), name
+            assert np.array_equal(contender(), expected), name
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):  # interleaved: each repeat runs every contender once
-        for name, run in runs.items():
+        for name, contender in runs.items():
             start = time.perf_counter()
-            run()
+            contender()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--count-n", type=int, default=100_000)
     parser.add_argument("--cache-n", type=int, default=65_536, help="size of the LRU-simulated sort (slow)")
     parser.add_argument("--block", type=int, default=16, help="elements per cache block")
@@ -80,9 +78,12 @@ def main() -> None:
     parser.add_argument("--time-n", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--cutoff", type=int, default=16, help="insertion sort below this size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="write the tables as JSON")
-    args = parser.parse_args()
+    add_seed(parser)
+    add_out(parser, help="write the tables as JSON", required=False)
+    return parser
+
+
+def bench(args) -> None:
 
     rows = count_table(args.count_n, args.cache_n, args.block, args.blocks, args.cutoff, args.seed)
     print(
@@ -109,8 +110,12 @@ def main() -> None:
         from swiftkv.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": vars(args), "counts": rows, "timing_s": timing})
-        print(json.dumps({"written": args.out}))
+        print(json.dumps({"written": str(args.out)}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,15 +5,13 @@ SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  Every
 in an order rotated per request (interleaved A/B), and all methods must produce the same greedy tokens.
 The suffix caches persist across requests, so the global tree holds earlier responses, as in serving.
 
-    flock /tmp/bench.lock python scripts/bench_suffix.py --model MODEL_DIR --workload both --out bench.json
+    flock /tmp/bench.lock python scripts/bench_suffix.py MODEL_DIR --workload both --out bench.json
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,6 +21,7 @@ from eval.serving.suffix.cache import SpecConfig, SuffixCache
 from eval.serving.suffix.decode import speculative_generate
 from eval.serving.suffix.stages import chat_ids
 from swiftkv.assets import iter_prompts
+from swiftkv.cliargs import ArgumentParser, add_limit, add_model, add_out, existing_path, run
 
 TASKS = [
     "Write a short product description for a reusable water bottle.",
@@ -71,7 +70,7 @@ def sharegpt_prompts(tok, n: int, skip: int) -> list[list[int]]:
     return prompts
 
 
-def run(args) -> dict:
+def measure(args) -> dict:
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -94,7 +93,7 @@ def run(args) -> dict:
         spec = {"speculate_s": 0.0, "calls": 0, "append_s": 0.0, "appended": 0}
         mismatches = 0
         if workload == "sharegpt":
-            requests = [[ids] for ids in sharegpt_prompts(tok, args.prompts, args.heldout_from)]
+            requests = [[ids] for ids in sharegpt_prompts(tok, args.limit, args.heldout_from)]
         else:
             requests = [[task] for task in TASKS[: args.tasks]]
         rid = 0
@@ -172,38 +171,44 @@ def print_table(results: dict) -> None:
         )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="examples:\n  flock /tmp/bench.lock python scripts/bench_suffix.py --model ~/.cache/swiftkv-toolkit/models/"
+        epilog="examples:\n  flock /tmp/bench.lock python scripts/bench_suffix.py ~/.cache/swiftkv-toolkit/models/"
         "smollm2-135m-instruct --workload agentic-refine --out bench_suffix.json\n"
-        "  python scripts/bench_suffix.py --model DIR --workload sharegpt --cache out/suffix-cache --prompts 4",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "  python scripts/bench_suffix.py DIR --workload sharegpt --cache out/suffix-cache --limit 4",
     )
-    p.add_argument("--model", required=True)
+    add_model(p)
     p.add_argument("--workload", choices=["agentic-refine", "sharegpt", "both"], default="both")
     p.add_argument(
         "--cache",
+        type=existing_path,
         help="pre-built suffix cache for the sharegpt workload (from `python -m eval.serving.suffix build`)",
     )
     p.add_argument("--tasks", type=int, default=2, help="agentic tasks (each refined --rounds times)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts")
+    add_limit(p, 4, "held-out ShareGPT prompts")
     p.add_argument(
         "--heldout-from", type=int, default=0, help="first held-out ShareGPT conversation used for prompts"
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-spec", type=int, default=SpecConfig().max_spec)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    results = run(args)
+    add_out(p, help="write the results as JSON", required=False)
+    return p
+
+
+def bench(args) -> None:
+    results = measure(args)
     print_table(results)
     if args.out:
         from swiftkv.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(bench, build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distill.check import main, parallel_plan, swiftkv_shape
-from distill.memory import Batch, Parallel, Params, activations, model_states
+from distill.memory import Batch, Parallel, Params, activations, lstsq_init, model_states
 from distill.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +169,43 @@ def test_activation_estimate_matches_measured_peak(case, checkpointing):
     assert estimate == pytest.approx(measured, rel=rel), plan
 
 
+@pytest.mark.parametrize(
+    "hidden,intermediate,batch,seq,batches", [(64, 160, 2, 256, 2), (256, 512, 1, 128, 2)]
+)
+def test_lstsq_init_estimate_matches_measured_peak(hidden, intermediate, batch, seq, batches):
+    """swiftkv.calibrate's layer-by-layer fit on CPU, where the model already sits on its device: the measured
+    peak is the plan's init memory less the layer's weights, plus the batches' hidden states and
+    ``norm_swiftkv(x_l)`` that wait on the host (the same allocator here)."""
+    from swiftkv.calibrate import fit_swiftkv_kv
+    from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig
+    from swiftkv.flops import Shape
+    from swiftkv.modeling_swiftkv import LlamaSwiftKVForCausalLM
+
+    config = LlamaSwiftKVConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_key_value_layers=3,
+        max_position_embeddings=seq,
+    )
+    torch.manual_seed(0)
+    model = LlamaSwiftKVForCausalLM(config)
+    rows = [
+        {"input_ids": torch.randint(0, 512, (batch, seq)), "position_ids": torch.arange(seq).repeat(batch, 1)}
+        for _ in range(batches)
+    ]
+    fit_swiftkv_kv(model, rows)  # warm-up
+    measured = _peak_bytes(lambda: fit_swiftkv_kv(model, rows))
+    shape = Shape.from_config(config.to_dict())
+    plan = lstsq_init(shape, Params.of(shape, config.to_dict()), Batch(batch, seq, act_bytes=4), Parallel())
+    host = 2 * batches * batch * seq * hidden * 4
+    estimate = sum(plan.values()) - plan["one layer's weights"] + host
+    assert estimate == pytest.approx(measured, rel=0.25), plan
+
+
 # -- the CLI on the shipped GPU recipes -------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(GPU_RECIPES))
 def test_shipped_gpu_recipes_fit_on_8_x_80gb(name, tmp_path, capsys):
@@ -207,7 +244,8 @@ def test_model_config_flag_when_the_source_is_not_here(tmp_path, capsys):
     args = [ROOT / "recipes" / "swiftkv_qwen2.5_7b.yaml", "model.source=/nonexistent/Qwen2.5-7B-Instruct"]
     code, _, err = check(capsys, *args, "--no-data")
     assert code == 2 and "--model-config" in err and len(err.strip().splitlines()) == 1
-    code, out, _ = check(capsys, *args, "--model-config", CONFIGS / "qwen2.5_7b" / "config.json", "--no-data")
+    config = CONFIGS / "qwen2.5_7b" / "config.json"
+    code, out, _ = check(capsys, args[0], "--model-config", config, args[1], "--no-data")  # options anywhere
     assert code == 0 and "vocab 152064" in out and "SwiftKV l=21" in out
 
 
