@@ -65,8 +65,24 @@ def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
     return result
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
 def kill_when(cmd: list[str], ready, timeout: float = 900) -> None:
-    """Start ``cmd`` in its own process group and SIGKILL the whole group (every rank) once ``ready()``."""
+    """Start ``cmd`` and, once ``ready()``, SIGKILL the process group of it and of every process below it (the
+    launcher's workers run in sessions of their own), i.e. every rank at once."""
     with tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr
@@ -80,8 +96,13 @@ def kill_when(cmd: list[str], ready, timeout: float = 900) -> None:
                 assert time.monotonic() < deadline, "timed out waiting for the kill point"
                 time.sleep(0.002)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            groups = set()
+            for pid in process_tree(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    groups.add(os.getpgid(pid))
+            for group in groups - {os.getpgid(0)}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
             proc.wait()
 
 
