@@ -1,7 +1,8 @@
 """vLLM serving benchmark: a SwiftKV checkpoint against its original model, same run, interleaved repeats.
 
-Run with the vLLM venv's python (``scripts/setup_vllm_cpu.sh``).  Both engines stay up side by side; each
-repeat measures both in a shuffled order (``eval.speed.interleaved``), and the table reports medians:
+Run with the vLLM venv's python (``scripts/setup_vllm_cpu.sh``).  Both engines run compiled (vLLM's
+compilation; ``--eager`` turns it off) and stay up side by side; each repeat measures both in a shuffled order
+(``eval.speed.interleaved``), and the table reports medians:
 
 * TTFT: one request of n random prompt tokens, ``max_tokens=1`` (prefix caching off, so every repeat
   prefills in full), for each n in ``--lengths``; beside it the FLOP-ideal prefill speedup
@@ -10,9 +11,9 @@ repeat measures both in a shuffled order (``eval.speed.interleaved``), and the t
 * throughput: ``--mix-requests`` requests of ``--mix-prompt`` prompt and ``--mix-output`` output tokens
   (10:1 by default) submitted together, in tokens (prompt + output) per second.
 
-    .venv-vllm/bin/python scripts/bench_vllm.py --model out/smollm2-swiftkv50 \\
-        --baseline ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --out out/bench/vllm.json
-    .venv-vllm/bin/python scripts/bench_vllm.py --model M --baseline B --lengths 512 --repeats 1   # smoke
+    .venv-vllm/bin/python scripts/bench_vllm.py out/smollm2-swiftkv50 \\
+        ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct --out out/bench/vllm.json
+    .venv-vllm/bin/python scripts/bench_vllm.py M B --lengths 512 --repeats 1   # smoke
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from eval.serving.vllm.cpu import cpu_environment, make_llm
 from eval.speed import interleaved
+from swiftkv.cliargs import ArgumentParser, add_dtype, add_model, add_out, int_list, run
 from swiftkv.convert import read_config
 from swiftkv.flops import Shape, ideal_prefill_speedup
-from tests.vllm_cases import cpu_environment, make_llm
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:
@@ -49,6 +50,7 @@ def timed_generate(llm, prompts: list[dict], max_tokens: int) -> float:
 def bench(args: argparse.Namespace) -> dict:
     vocab = read_config(args.model)["vocab_size"]
     engine = dict(
+        enforce_eager=args.eager,
         dtype=args.dtype,
         enable_prefix_caching=False,
         max_model_len=max(
@@ -106,24 +108,27 @@ def print_table(result: dict) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__)
+    add_model(parser, help="SwiftKV checkpoint")
+    add_model(parser, "baseline", help="the original checkpoint it came from")
+    parser.add_argument(
+        "--lengths", type=int_list, default=[512, 1024, 2048, 4096], help="TTFT prompt lengths"
     )
-    parser.add_argument("--model", type=Path, required=True, help="SwiftKV checkpoint")
-    parser.add_argument("--baseline", type=Path, required=True, help="the original checkpoint it came from")
-    parser.add_argument("--lengths", default="512,1024,2048,4096", help="TTFT prompt lengths")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tpot-prompt", type=int, default=512)
     parser.add_argument("--tpot-tokens", type=int, default=32)
     parser.add_argument("--mix-requests", type=int, default=8)
     parser.add_argument("--mix-prompt", type=int, default=1000)
     parser.add_argument("--mix-output", type=int, default=100)
-    parser.add_argument("--dtype", default="float32")
+    add_dtype(parser, "float32")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile (default: vLLM's compilation)")
     parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("out/bench/vllm.json"))
-    args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",")]
+    add_out(parser, "out/bench/vllm.json")
+    return parser
+
+
+def run_bench(args) -> None:
     tmp = tempfile.mkdtemp(prefix="bench-vllm-")
     for key, value in cpu_environment(tmp).items():
         os.environ.setdefault(key, value)
@@ -137,5 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwrote {args.out}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run(run_bench, build_parser(), argv)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

