@@ -99,8 +99,8 @@ def load_source(source: DataSource, streaming: bool = False, cache_dir: str | No
             ds = datasets.load_dataset(source.path, split=source.split, **kwargs)
     except Exception as e:  # network, hub, gating or parse failures from datasets
         raise DataError(
-            f"could not load data source {source.path!r}: {str(e).strip().splitlines()[0]} (to resolve, check "
-            "the name, split and network; a gated dataset needs a login and gated: true)"
+            f"could not load data source {source.path!r}: {(str(e).strip() or type(e).__name__).splitlines()[0]} "
+            "(to resolve, check the name, split and network; a gated dataset needs a login and gated: true)"
         ) from None
     if source.path == "sharegpt":  # the embedded set's train split only: the held-out part is for evaluation
         ds = _head(ds, HELDOUT_START)
