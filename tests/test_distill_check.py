@@ -300,26 +300,39 @@ def test_data_rows_are_counted_and_an_untrainable_source_is_named(smollm2, tmp_p
     assert str(prompts) in err and "messages" in err and "no trainable sample" in err
 
 
-def test_unreachable_hub_source_is_named_or_skipped(tmp_path, capsys, monkeypatch):
-    import datasets
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    model = config_only_model(tmp_path, "llama3.1_8b")
-    tokenizer = tmp_path / "tokenizer"  # any tokenizer will do for reading rows
-    tokenizer.mkdir()
+@pytest.fixture
+def word_tokenizer(tmp_path) -> Path:
+    """A tokenizer folder with no chat template: enough for the refusals, which come before any row counts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tokenizer)
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path / "tokenizer")
+    return tmp_path / "tokenizer"
+
+
+@pytest.mark.parametrize("problem", ["hub-offline", "gated-no-login", "unknown-layout", "empty"])
+def test_bad_data_sources_are_named_in_one_line(problem, tmp_path, capsys, monkeypatch, word_tokenizer):
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_TOKEN", "")
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    source, named = {
+        "hub-offline": ("{path: no-such-org/no-such-dataset}", "no-such-org/no-such-dataset"),
+        "gated-no-login": ("{path: lmsys/lmsys-chat-1m, gated: true}", "lmsys/lmsys-chat-1m"),
+        "unknown-layout": (f"{{path: {_write_jsonl(tmp_path / 'odd.jsonl', [{'foo': 'bar'}] * 3)}}}", "foo"),
+        "empty": (f"{{path: {_write_jsonl(tmp_path / 'empty.jsonl', [])}}}", "empty.jsonl"),
+    }[problem]
+    model = config_only_model(tmp_path, "llama3.1_8b")
     args = [
         ROOT / "recipes" / "swiftkv_llama3.1_8b.yaml",
         f"model.source={model}",
-        "data.sources=[{path: no-such-org/no-such-dataset}]",
+        f"data.sources=[{source}]",
     ]
-    code, _, err = check(capsys, *args, "--tokenizer", tokenizer)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "no-such-org/no-such-dataset" in err
+    code, _, err = check(capsys, *args, "--tokenizer", word_tokenizer)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and named in err and "to resolve" in err
     code, out, _ = check(capsys, *args, "--no-data")
     assert code == 0 and "not checked (--no-data)" in out
