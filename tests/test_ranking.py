@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +158,7 @@ def test_swiftkv_head_learns_and_exports(tiny_model, synthetic_traces, tmp_path)
     # exported weights are the trained ones: the recorded training tau is reproduced from the directory
     info = json.loads((out / TRAIN_FILE).read_text())
     train = split_traces(load_traces(synthetic_traces), 0.2, 0)[0]
-    ranker = Ranker(out)
+    ranker = Ranker(out, tiny_model)
     labels = length_labels([t.output_len for t in train], 160)
     assert kendall_tau(ranker.score([t.prompt for t in train]), labels) == pytest.approx(
         info["train_tau"], abs=1e-6
@@ -193,9 +194,65 @@ def test_small_lm_and_bucket_baseline_train(tiny_model, synthetic_traces, tmp_pa
     cls = train_ranker(
         synthetic_traces, tmp_path / "cls", TrainConfig(objective="buckets", buckets=4, epochs=40)
     )
-    ranker = Ranker(cls)
+    ranker = Ranker(cls, tiny_model)
     assert ranker.spec.outputs == len(ranker.spec.bucket_edges) + 1
     assert evaluate_ranker(cls, synthetic_traces)["kendall_tau"] > 0.3
+
+
+def test_ranker_dir_is_portable_and_checks_the_model_it_reads(tiny_model, synthetic_traces, tmp_path):
+    out = train_ranker(synthetic_traces, tmp_path / "ranker", TrainConfig(epochs=3, list_size=16))
+    for file in out.iterdir():  # nothing in the directory points at where the model or traces were
+        if file.suffix in (".json", ".jinja", ".txt"):
+            text = file.read_text()
+            assert str(tiny_model) not in text and str(synthetic_traces) not in text, file.name
+    moved_model, moved_ranker = tmp_path / "elsewhere" / "model", tmp_path / "elsewhere" / "ranker"
+    shutil.copytree(tiny_model, moved_model)
+    shutil.copytree(out, moved_ranker)
+    prompts = [t.prompt for t in load_traces(synthetic_traces)[:6]]
+    np.testing.assert_allclose(
+        Ranker(moved_ranker, moved_model).score(prompts), Ranker(out, tiny_model).score(prompts), rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="pass the served model"):
+        Ranker(moved_ranker)
+    # same architecture, one more token in the tokenizer: another model as far as x_l goes
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moved_model)
+    tok.add_tokens(["zebra"])
+    tok.save_pretrained(moved_model)
+    with pytest.raises(
+        ValueError, match="another architecture or tokenizer .* train the ranker on this model"
+    ):
+        Ranker(moved_ranker, moved_model)
+
+
+@pytest.fixture(scope="module")
+def two_eos_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model made to answer "now" (id 14) at once; generation_config ends turns on <eos> or "now"."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("two-eos")
+    model = LlamaForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():  # x_0 is dominated by a constant embedding column, so lm_head row 14 always wins
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[14, 0] = 10.0
+    model.generation_config.eos_token_id = [2, 14]  # like Llama-3's [128001, 128008, 128009]
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(path)
+    return path
+
+
+def test_trace_generation_stops_on_every_end_of_turn_id(two_eos_model, tmp_path):
+    data = tmp_path / "convs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"conversations": [{"from": "human", "value": w}]}) + "\n" for w in WORDS)
+    )
+    file = generate_traces(two_eos_model, tmp_path / "traces", data=data, n=5, max_new_tokens=8, batch_size=2)
+    traces = load_traces(file)
+    assert [(t.output_len, t.finished) for t in traces] == [(1, True)] * 5
 
 
 def test_trace_generation_resumes_and_refuses_other_options(tiny_model, tmp_path):

@@ -14,7 +14,7 @@ from conftest import tiny_base
 from test_suffix_artifact import filled_cache, word_tokenizer
 
 import swiftkv.convert
-from eval.serving.ranking.predictors import RankerSpec, save_spec
+from eval.serving.ranking.train import TrainConfig, train_ranker
 from eval.serving.suffix.artifact import save_cache, vllm_speculative_config
 from eval.serving.vllm.args import PRIORITY_SCALE, serve_command
 
@@ -30,27 +30,34 @@ def checkpoint(tmp_path_factory) -> Path:
     return swiftkv.convert.convert(tmp / "base", tmp / "swiftkv", swiftkv_fraction=0.5)
 
 
-def ranker(path: Path, feature_dim: int) -> Path:
-    path.mkdir()
-    spec = RankerSpec(
-        kind="swiftkv-head", objective="listmle", label_cap=256, label_bin=16, max_prompt_tokens=64,
-        layer=2, target_model="m", head_hidden=8, feature_dim=feature_dim,
-    )  # fmt: skip
-    save_spec(path, spec)
-    return path
+def trained_ranker(model_dir: Path, out: Path) -> Path:
+    """A swiftkv-head ranker trained by the real training function on ``model_dir``'s x_l."""
+    traces = out.with_name(out.name + "-traces")
+    traces.mkdir()
+    rows = [{"prompt": " ".join(f"w{3 + (i * 7 + j) % 90}" for j in range(3 + i % 5)), "output_len": 5 + 9 * (i % 5)}
+            for i in range(24)]  # fmt: skip
+    (traces / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (traces / "meta.json").write_text(json.dumps({"model": str(model_dir), "max_new_tokens": 64}))
+    config = TrainConfig(epochs=2, list_size=4, head_hidden=8, max_prompt_tokens=16, label_bin=4)
+    return train_ranker(traces, out, config)
+
+
+@pytest.fixture(scope="module")
+def ranker(checkpoint, tmp_path_factory) -> Path:
+    return trained_ranker(checkpoint.parent / "base", tmp_path_factory.mktemp("ranker") / "ranker")
 
 
 def option(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def test_swiftkv_checkpoint_with_suffix_cache_and_ranker(checkpoint, tmp_path):
+def test_swiftkv_checkpoint_with_suffix_cache_and_ranker(checkpoint, ranker, tmp_path):
     cache = filled_cache()
     save_cache(cache, tmp_path / "cache", word_tokenizer())
     config = json.loads((checkpoint / "config.json").read_text())
-    command = serve_command(
-        checkpoint, tmp_path / "cache", ranker(tmp_path / "ranker", config["hidden_size"]), cpu=True
-    )
+    spec = json.loads((ranker / "ranker.json").read_text())
+    assert spec["feature_dim"] == 2 * config["hidden_size"]  # pooled [mean, last token] of x_l
+    command = serve_command(checkpoint, tmp_path / "cache", ranker, cpu=True)
     argv = command.argv
     assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     assert option(argv, "--model") == str(checkpoint)
@@ -78,7 +85,7 @@ def test_plain_checkpoint_prints_plain_command(tmp_path):
     [
         ("no-checkpoint", "is not a directory"),
         ("other-tokenizer", "built with tokenizer .* rebuild it with"),
-        ("ranker-other-model", "reads hidden states of size 7 .* train the ranker on this model"),
+        ("ranker-other-model", "reads pooled hidden states of size 96 .* train the ranker on this model"),
         ("ranker-missing", "ranker.json not found"),
     ],
 )
@@ -88,7 +95,10 @@ def test_refusals_are_one_line(checkpoint, tmp_path, problem, match):
         save_cache(filled_cache(), tmp_path / "cache", word_tokenizer(offset=1))
         kwargs["suffix_cache"] = tmp_path / "cache"
     elif problem == "ranker-other-model":
-        kwargs["ranker"] = ranker(tmp_path / "ranker", feature_dim=7)
+        other = tmp_path / "other"
+        tiny_base("llama", hidden_size=48).save_pretrained(other)
+        word_tokenizer().save_pretrained(other)
+        kwargs["ranker"] = trained_ranker(other, tmp_path / "ranker")
     elif problem == "ranker-missing":
         kwargs["ranker"] = tmp_path
     target = tmp_path / "missing" if problem == "no-checkpoint" else checkpoint
@@ -106,10 +116,9 @@ def test_refusals_are_one_line(checkpoint, tmp_path, problem, match):
 @pytest.mark.skipif(
     not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}; run scripts/setup_vllm_cpu.sh"
 )
-def test_vllm_parser_accepts_the_command(checkpoint, tmp_path):
+def test_vllm_parser_accepts_the_command(checkpoint, ranker, tmp_path):
     save_cache(filled_cache(), tmp_path / "cache", word_tokenizer())
-    hidden = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
-    argv = serve_command(checkpoint, tmp_path / "cache", ranker(tmp_path / "ranker", hidden), cpu=True).argv
+    argv = serve_command(checkpoint, tmp_path / "cache", ranker, cpu=True).argv
     script = """
 import json, sys
 from vllm.engine.arg_utils import AsyncEngineArgs

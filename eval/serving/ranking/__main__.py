@@ -165,12 +165,11 @@ def _simulate(args) -> None:
 
     from swiftkv.artifacts import write_json_atomic
 
-    from .predictors import Ranker
     from .simulator import CostModel, SimConfig, results_json, results_table, run_policies
-    from .train import held_out_traces
+    from .train import held_out_traces, load_ranker
 
     traces = held_out_traces(args.ranker, args.traces, args.split)
-    scores = Ranker(args.ranker).score([t.prompt for t in traces], progress=True)
+    scores = load_ranker(args.ranker, args.traces).score([t.prompt for t in traces], progress=True)
     cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
     config = SimConfig(args.token_budget, args.max_batch, args.starvation_threshold, args.quantum)
     results = run_policies(

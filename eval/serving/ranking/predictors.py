@@ -11,7 +11,9 @@
 
 Either can instead be a bucket classifier (objective ``buckets``), the baseline the paper compares with.
 An exported ranker is ``ranker.json`` (score semantics, labels, options) + tokenizer + weights
-(the small LM via ``save_pretrained``; the head as ``head.safetensors``, reading x_l of ``target_model``).
+(the small LM via ``save_pretrained``; the head as ``head.safetensors``).  The directory holds no path: a head
+records the ``model_fingerprint`` of the model whose x_l it reads, and whoever loads it names that model
+(``Ranker(dir, target_model=...)``), which is checked against the fingerprint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 
 from .listmle import bucket_score
@@ -49,7 +51,7 @@ class RankerSpec(BaseModel):
     max_prompt_tokens: int
     bucket_edges: list[float] | None = None
     layer: int | None = None
-    target_model: str | None = None
+    model_fingerprint: str | None = None
     head_hidden: int | None = None
     feature_dim: int | None = None
     score: str = SCORE_SEMANTICS
@@ -57,6 +59,49 @@ class RankerSpec(BaseModel):
     @property
     def outputs(self) -> int:
         return 1 if self.objective == "listmle" else len(self.bucket_edges or []) + 1
+
+
+FINGERPRINT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 of the model family, the architecture fields of config.json and the tokenizer (vocabulary and
+    special ids, as for suffix caches).  A SwiftKV conversion keeps all of them (its first layers, which
+    compute x_l, are the base model's), so a head trained on the base model serves its SwiftKV checkpoint."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from swiftkv.convert import read_config
+
+    from ..suffix.artifact import tokenizer_fingerprint
+
+    config = read_config(Path(model_dir))
+    payload = {
+        "family": str(config.get("model_type", "")).removesuffix("_swiftkv"),
+        **{key: config.get(key) for key in FINGERPRINT_FIELDS},
+        "tokenizer": tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_dir)),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def check_target(spec: RankerSpec, ranker_dir: str | os.PathLike, model_dir: str | os.PathLike) -> None:
+    """Refuse, in one line, a swiftkv-head ranker for a model it was not trained on."""
+    found = model_fingerprint(model_dir)
+    if spec.model_fingerprint != found:
+        raise ValueError(
+            f"ranker {ranker_dir} reads x_l of a model with another architecture or tokenizer than {model_dir} "
+            f"(fingerprint {str(spec.model_fingerprint)[:12]} vs {found[:12]}); "
+            "to resolve, train the ranker on this model"
+        )
 
 
 def default_layer(model_dir: str | os.PathLike) -> int:
@@ -79,6 +124,8 @@ class HiddenStateFeatures:
             )
         self.layer, self.max_prompt_tokens = layer, max_prompt_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
+        if self.tokenizer.pad_token is None:  # Llama-3's has none; padded positions are masked out anyway
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModel.from_pretrained(model_dir, num_hidden_layers=layer + 1, dtype=dtype).eval()
         self._cache: dict[str, torch.Tensor] = {}
 
@@ -172,13 +219,24 @@ def to_scores(spec: RankerSpec, logits: torch.Tensor) -> torch.Tensor:
 
 
 class Ranker:
-    """A loaded ranker: ``score(prompts)``; a server with x_l at hand calls ``score_hidden`` instead."""
+    """A loaded ranker: ``score(prompts)``; a server with x_l at hand calls ``score_hidden`` instead.
 
-    def __init__(self, path: str | os.PathLike):
+    A swiftkv-head reads x_l of ``target_model`` (the served model's directory), which must match the
+    fingerprint recorded at training time; a small LM carries its own weights and needs none."""
+
+    def __init__(self, path: str | os.PathLike, target_model: str | os.PathLike | None = None):
         from safetensors.torch import load_file
 
         path = Path(path)
         self.spec = load_spec(path)
+        self.target_model = target_model
+        if self.spec.kind == "swiftkv-head":
+            if target_model is None:
+                raise ValueError(
+                    f"ranker {path} is a swiftkv-head that reads the served model's x_l; to resolve, pass "
+                    "the served model's directory (target_model / --model)"
+                )
+            check_target(self.spec, path, target_model)
         if self.spec.kind == "small-lm":
             self.tokenizer, self.model = load_small_lm(path, self.spec.outputs)
             self.model.eval()
@@ -208,7 +266,7 @@ class Ranker:
             return torch.cat(parts).numpy() if parts else np.empty(0, np.float32)
         if self._features is None:
             self._features = shared_features(
-                self.spec.target_model, self.spec.layer, self.spec.max_prompt_tokens
+                str(self.target_model), self.spec.layer, self.spec.max_prompt_tokens
             )
         return to_scores(self.spec, self.head(self._features(prompts, batch_size, progress))).numpy()
 
@@ -220,7 +278,13 @@ def load_spec(ranker_dir: str | os.PathLike) -> RankerSpec:
         raise FileNotFoundError(
             f"{spec_file} not found; to resolve, run `python -m eval.serving.ranking train` first"
         )
-    return RankerSpec.model_validate_json(spec_file.read_text())
+    try:
+        return RankerSpec.model_validate_json(spec_file.read_text())
+    except ValidationError as err:
+        raise ValueError(
+            f"{spec_file} is not a ranker spec of this version ({err.error_count()} problems, first: "
+            f"{err.errors()[0]['loc']} {err.errors()[0]['msg']}); to resolve, retrain the ranker"
+        ) from None
 
 
 def save_spec(out_dir: Path, spec: RankerSpec) -> None:

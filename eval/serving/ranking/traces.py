@@ -1,7 +1,8 @@
 """(prompt, generated length) traces from the target model: the labels every ranking predictor learns.
 
 The target model samples a reply (temperature 1.0, a length cap) to the first user turn of each
-conversation; only the length is kept.  Generation is the slow part, so the JSONL grows one line per
+conversation; only the length is kept.  A reply ends at the first end-of-turn id, any of those in
+``generation_config`` (Llama-3 lists several), not only ``config.eos_token_id``.  Generation is the slow part, so the JSONL grows one line per
 prompt and a rerun resumes after the last complete line (a torn last line from a crash is dropped).
 ``meta.json`` pins the options; resuming with different options is refused.  Existing traces from
 elsewhere load through :func:`load_traces` as long as each line has ``prompt`` and ``output_len``.
@@ -105,6 +106,19 @@ def _valid_lines(file: Path) -> list[str]:
     return lines
 
 
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a reply: ``generation_config.eos_token_id`` (a list for Llama-3, whose turns end
+    with 128009), the config's and the tokenizer's ``eos_token_id``."""
+    ids: set[int] = set()
+    for value in (model.generation_config.eos_token_id, model.config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if not ids:
+        raise ValueError(
+            "the model names no end-of-sequence token; to resolve, set eos_token_id in its config"
+        )
+    return sorted(ids)
+
+
 def generate_traces(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -159,8 +173,8 @@ def generate_traces(
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    eos = end_of_turn_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
 
     def encode(prompt: str) -> list[int]:
         messages = [{"role": "user", "content": prompt}]
@@ -195,8 +209,9 @@ def generate_traces(
                     eos_token_id=eos,
                 )
             for (prompt, ids), row in zip(batch, out[:, width:].tolist(), strict=True):
-                finished = eos in row
-                length = row.index(eos) + 1 if finished else len(row)
+                ends = [i for i, token in enumerate(row) if token in eos]
+                finished = bool(ends)
+                length = ends[0] + 1 if finished else len(row)
                 record = {
                     "prompt": prompt,
                     "prompt_len": len(ids),

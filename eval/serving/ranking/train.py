@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from swiftkv.artifacts import atomic_output_dir, write_json_atomic, write_provenance
+from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
 from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from .predictors import (
@@ -28,12 +28,13 @@ from .predictors import (
     SwiftKVHead,
     default_layer,
     load_small_lm,
+    model_fingerprint,
     save_spec,
     shared_features,
     small_lm_logits,
     to_scores,
 )
-from .traces import Trace, load_traces, read_meta, split_traces
+from .traces import Trace, load_traces, read_meta, split_traces, traces_file
 
 log = logging.getLogger(__name__)
 TRAIN_FILE = "train.json"
@@ -114,7 +115,7 @@ def train_ranker(
         if target is None:
             raise ValueError("the traces name no model; to resolve, pass --target-model DIR")
         spec.layer = config.layer if config.layer is not None else default_layer(target)
-        spec.target_model, spec.head_hidden = str(target), config.head_hidden
+        spec.model_fingerprint, spec.head_hidden = model_fingerprint(target), config.head_hidden
         features = shared_features(str(target), spec.layer, spec.max_prompt_tokens)(
             prompts, config.batch_size, True
         )
@@ -182,10 +183,10 @@ def train_ranker(
         write_json_atomic(
             tmp / TRAIN_FILE,
             {
-                "traces": str(Path(traces_path).resolve()),
+                "traces_sha256": sha256_file(traces_file(traces_path)),
                 "n_train": len(train),
                 "n_held_out": len(test),
-                "config": config.model_dump(),
+                "config": config.model_dump(exclude={"target_model", "backbone"}),  # paths: not portable
                 "lr": lr,
                 "history": history,
                 "train_tau": train_tau,
@@ -194,7 +195,7 @@ def train_ranker(
         write_provenance(
             tmp,
             "eval.serving.ranking.train",
-            traces=str(traces_path),
+            traces_sha256=sha256_file(traces_file(traces_path)),
             kind=config.kind,
             objective=config.objective,
         )
@@ -209,21 +210,33 @@ def held_out_traces(
     if split == "all":
         return traces
     info = json.loads((Path(ranker_dir) / TRAIN_FILE).read_text())
-    if Path(info["traces"]) != Path(traces_path).resolve():
+    if info.get("traces_sha256") != sha256_file(traces_file(traces_path)):
         log.info(
             "traces differ from the training traces; the split is still the recorded seed's held-out part"
         )
     return split_traces(traces, info["config"]["held_out"], info["config"]["seed"])[1]
 
 
+def load_ranker(
+    ranker_dir: str | os.PathLike,
+    traces_path: str | os.PathLike,
+    target_model: str | os.PathLike | None = None,
+) -> Ranker:
+    """The ranker, reading x_l of ``target_model`` (default: the model that generated the traces)."""
+    return Ranker(ranker_dir, target_model or read_meta(traces_path).get("model"))
+
+
 def evaluate_ranker(
-    ranker_dir: str | os.PathLike, traces_path: str | os.PathLike, split: str = "held-out"
+    ranker_dir: str | os.PathLike,
+    traces_path: str | os.PathLike,
+    split: str = "held-out",
+    target_model: str | os.PathLike | None = None,
 ) -> dict:
     """Kendall's tau of the ranker on held-out prompts, beside the prompt-length heuristic and the oracle.
 
     The oracle is tie-free (as any real predictor is), so its tau is below 1 when many replies hit the cap.
     """
-    ranker = Ranker(ranker_dir)
+    ranker = load_ranker(ranker_dir, traces_path, target_model)
     traces = held_out_traces(ranker_dir, traces_path, split)
     labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
     scores = ranker.score([t.prompt for t in traces], progress=True)

@@ -71,16 +71,21 @@ def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
 
 
 def _ranker_args(ranker: Path, checkpoint: Path, config: dict) -> tuple[list[str], str]:
-    from ..ranking.predictors import load_spec
+    from ..ranking.predictors import check_target, load_spec
 
     spec = load_spec(ranker)
-    if spec.kind == "swiftkv-head" and spec.feature_dim != config.get("hidden_size"):
-        raise ValueError(
-            f"ranker {ranker} reads hidden states of size {spec.feature_dim} from {spec.target_model}, but "
-            f"{checkpoint} has hidden_size {config.get('hidden_size')}; to resolve, train the ranker on this model"
-        )
+    if spec.kind == "swiftkv-head":
+        hidden = config.get("hidden_size")
+        if spec.feature_dim != 2 * (hidden or 0):  # pooled [mean over the prompt, last token] of x_l
+            raise ValueError(
+                f"ranker {ranker} reads pooled hidden states of size {spec.feature_dim} (2 x hidden size), but "
+                f"{checkpoint} has hidden_size {hidden}; to resolve, train the ranker on this model"
+            )
+        check_target(spec, ranker, checkpoint)
+    target = f", target_model={str(checkpoint)!r}" if spec.kind == "swiftkv-head" else ""
     note = (
-        f"learning-to-rank scheduling: score each prompt with eval.serving.ranking.predictors.Ranker({str(ranker)!r}) "
+        f"learning-to-rank scheduling: score each prompt with "
+        f"eval.serving.ranking.predictors.Ranker({str(ranker)!r}{target}) "
         f"and send priority = -round(score * {PRIORITY_SCALE}) with the request (lower is served first)"
     )
     return ["--scheduling-policy", "priority"], note
