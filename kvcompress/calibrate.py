@@ -11,19 +11,25 @@ Why activations rather than an SVD of ``W_k``/``W_v``: keys are needed post-RoPE
 optimum for the data distribution while a weight SVD assumes isotropic inputs.  ``scripts/bench_kvcompress.py
 --compare-bases`` measures both on held-out text.
 
-Calibration data defaults to the first ``samples`` ShareGPT conversations (chat template applied,
-truncated to ``max_length`` tokens) from the train split; the benchmark evaluates on the held-out split.
-Progress is checkpointed every ``checkpoint_every`` samples next to the output, so an interrupted run
-resumes where it stopped.
+Calibration sequences are ShareGPT conversations of the train split (chat template applied) joined into
+sequences of ``max_length`` tokens, so the moments see every position up to the length the cache will serve:
+post-RoPE keys rotate with position, and a basis fitted on short sequences misses the angles of later ones
+(the benchmark evaluates on the held-out split).  The first ``sinks`` positions of each sequence are left
+out of the moments: the cache keeps attention sinks exact, and their outsized keys would otherwise tilt the
+bases.  Progress is checkpointed every ``checkpoint_every`` sequences next to the output (safetensors + JSON
+metadata, never a pickle), so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .factors import (
@@ -41,13 +47,17 @@ from .policy import Policy
 class MomentLayer(DynamicLayer):
     """A ``DynamicLayer`` that also accumulates per-head second moments of what it is given."""
 
+    skip = 0
+    """Leading positions of the first update (a prefill from position 0) left out of the moments."""
+
     def __init__(self):
         super().__init__()
         self.key_moment = self.value_moment = None
         self.count = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        k, v = key_states.detach().double(), value_states.detach().double()
+        start = 0 if self.get_seq_length() else self.skip
+        k, v = key_states[:, :, start:].detach().double(), value_states[:, :, start:].detach().double()
         km, vm = torch.einsum("bhnd,bhne->hde", k, k), torch.einsum("bhnd,bhne->hde", v, v)
         self.key_moment = km if self.key_moment is None else self.key_moment + km
         self.value_moment = vm if self.value_moment is None else self.value_moment + vm
@@ -60,6 +70,35 @@ class Moments:
 
     def __init__(self):
         self.layers: dict[int, list] = {}
+
+    def save(self, path: Path, header: dict) -> None:
+        """Write the moments as safetensors with ``header`` and the token counts as JSON metadata (atomic)."""
+        tensors = {
+            f"{idx}.{kind}": m
+            for idx, (km, vm, _) in self.layers.items()
+            for kind, m in (("k", km), ("v", vm))
+        }
+        counts = {str(idx): n for idx, (_, _, n) in self.layers.items()}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file(tensors, tmp, metadata={"header": json.dumps(header), "counts": json.dumps(counts)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[Moments, dict] | None:
+        """Moments and header written by ``save``; None when the file is absent or not a valid one."""
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+                header, counts = json.loads(meta["header"]), json.loads(meta["counts"])
+                moments = cls()
+                moments.layers = {
+                    int(i): [f.get_tensor(f"{i}.k"), f.get_tensor(f"{i}.v"), n] for i, n in counts.items()
+                }
+        except (SafetensorError, KeyError, ValueError, OSError):
+            return None
+        return moments, header
 
     def add(self, cache: Cache) -> None:
         for idx, layer in enumerate(cache.layers):
@@ -83,33 +122,51 @@ class Moments:
 
 @torch.no_grad()
 def accumulate(
-    model: torch.nn.Module, sequences: Iterable[torch.Tensor], moments: Moments | None = None
+    model: torch.nn.Module,
+    sequences: Iterable[torch.Tensor],
+    moments: Moments | None = None,
+    skip: int = 0,
 ) -> Moments:
-    """Run ``model`` over token sequences ``(1, n)`` and add their KV second moments to ``moments``."""
+    """Run ``model`` over token sequences ``(1, n)`` and add their KV second moments to ``moments``,
+    leaving out the first ``skip`` positions of each (the attention sinks)."""
     moments = moments or Moments()
     device = next(model.parameters()).device
+    layer = type("SkippingMomentLayer", (MomentLayer,), {"skip": skip}) if skip else MomentLayer
     for ids in sequences:
-        cache = Cache(layer_class_to_replicate=MomentLayer)
+        cache = Cache(layer_class_to_replicate=layer)
         model(input_ids=ids.to(device), cache=cache, use_cache=True)
         moments.add(cache)
     return moments
 
 
-def factors_from_model(model: torch.nn.Module, sequences: Iterable[torch.Tensor], **meta) -> Factors:
+def factors_from_model(
+    model: torch.nn.Module, sequences: Iterable[torch.Tensor], skip: int = 0, **meta
+) -> Factors:
     """In-memory calibration: bases for every KV-writing layer of ``model`` from ``sequences``."""
-    moments = accumulate(model, sequences)
+    moments = accumulate(model, sequences, skip=skip)
     return moments.factors(
         {**model_signature(model.config), "key_fingerprint": key_fingerprint(model), **meta}
     )
 
 
-def sharegpt_sequences(
-    tokenizer, data: str, samples: int, max_length: int, offset: int = 0
+def chat_sequences(
+    tokenizer,
+    length: int,
+    count: int,
+    split: str = "train",
+    data: str = "sharegpt",
+    offset: int = 0,
+    tail: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Chat-formatted ShareGPT conversations as ``(1, n)`` token tensors, truncated to ``max_length``."""
+    """Up to ``count`` ``(1, length)`` token tensors: chat-formatted conversations of ``split`` from the
+    ``offset``-th on, joined; with ``tail``, a last shorter one when the data runs out."""
     from swiftkv.assets import iter_conversations
 
-    for i, messages in enumerate(iter_conversations(data, limit=offset + samples, split="train")):
+    buffer: list[int] = []
+    made = 0
+    for i, messages in enumerate(iter_conversations(data, split=split)):
+        if made >= count:
+            return
         if i < offset:
             continue
         text = (
@@ -117,17 +174,20 @@ def sharegpt_sequences(
             if tokenizer.chat_template
             else "\n".join(m["content"] for m in messages)
         )
-        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length).input_ids
-        if ids.shape[1] >= 2:
-            yield ids
+        buffer += tokenizer(text, add_special_tokens=False).input_ids
+        while len(buffer) >= length and made < count:
+            yield torch.tensor([buffer[:length]])
+            buffer, made = buffer[length:], made + 1
+    if tail and len(buffer) >= 2 and made < count:
+        yield torch.tensor([buffer])
 
 
 def calibrate(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     data: str = "sharegpt",
-    samples: int = 256,
-    max_length: int = 512,
+    samples: int = 64,
+    max_length: int = 2048,
     rank_budget: float = 0.25,
     bits: Sequence[int | None] = (8, 4, 2),
     sinks: int = 4,
@@ -137,7 +197,9 @@ def calibrate(
     checkpoint_every: int = 32,
     progress: bool = True,
 ) -> Path:
-    """Calibrate low-rank KV factors for ``model_dir`` and write them (with a default policy) to ``out_dir``."""
+    """Calibrate low-rank KV factors for ``model_dir`` and write them (with a default policy) to ``out_dir``.
+
+    ``samples`` sequences of ``max_length`` tokens: set ``max_length`` to the context length you serve."""
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -154,25 +216,23 @@ def calibrate(
     )
     check_destination(out_dir, force)
     resolve_data_path(data)
-    options = {"data": str(data), "samples": samples, "max_length": max_length}
-    partial = Path(out_dir).parent / f".{Path(out_dir).name}.calibrate-partial.pt"
-    state = torch.load(partial, weights_only=False) if partial.is_file() else None
-    if state is None or state["options"] != options:
-        state = {"options": options, "done": 0, "moments": Moments().layers}
+    options = {"data": str(data), "samples": samples, "max_length": max_length, "sinks": sinks}
+    partial = Path(out_dir).parent / f".{Path(out_dir).name}.calibrate-partial.safetensors"
+    saved = Moments.load(partial)
+    moments, done = Moments(), 0
+    if saved is not None and saved[1]["options"] == options:
+        moments, done = saved[0], saved[1]["done"]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    moments = Moments()
-    moments.layers = state["moments"]
-    sequences = sharegpt_sequences(tokenizer, data, samples, max_length)
-    done = state["done"]
+    sequences = chat_sequences(tokenizer, max_length, samples, split="train", data=data, tail=True)
     for i, ids in enumerate(tqdm(sequences, total=samples, desc="calibrate", disable=not progress)):
         if i < done:
             continue
-        accumulate(model, [ids], moments)
+        accumulate(model, [ids], moments, skip=sinks)
         done = i + 1
         if done % checkpoint_every == 0:
-            torch.save({"options": options, "done": done, "moments": moments.layers}, partial)
+            moments.save(partial, {"options": options, "done": done})
     if not moments.layers:
         raise ValueError(f"no calibration sequences were read from {data}; to resolve, check --data")
 

@@ -14,7 +14,7 @@ from swiftkv.cliargs import (
 )
 
 EPILOG = """examples:
-  kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 256 --rank-budget 0.25 --bits 8,4,2
+  kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 8,4,2
   kvcompress calibrate models/smollm2 --out out/kv --limit 32 --max-length 256 --force
 then:
   python -c "from kvcompress import load_compressed; m, cache = load_compressed('models/smollm2', 'out/kv')"
@@ -34,8 +34,13 @@ def build_parser() -> ArgumentParser:
     cal.add_argument(
         "--data", default="sharegpt", help="'sharegpt' or a JSONL of conversations (default: sharegpt)"
     )
-    add_limit(cal, 256, "calibration conversations")
-    cal.add_argument("--max-length", type=int, default=512, help="tokens per conversation (default: 512)")
+    add_limit(cal, 64, "calibration sequences (conversations joined to --max-length tokens)")
+    cal.add_argument(
+        "--max-length",
+        type=int,
+        default=2048,
+        help="tokens per calibration sequence: the context length you serve (default: 2048)",
+    )
     cal.add_argument(
         "--rank-budget", type=float, default=0.25, help="average rank / head_dim of compressed tokens"
     )

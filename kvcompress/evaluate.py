@@ -19,9 +19,8 @@ Every TALE-family method uses the same sinks/window/block, so the comparison iso
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,24 +91,6 @@ def fp16_kv_bytes(config, tokens: int, batch: int = 1) -> int:
     """What a plain fp16 KV cache of ``tokens`` tokens costs for ``config`` (the usual reference)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch
-
-
-def long_sequences(
-    tokenizer, length: int, count: int, offset: int, data: str = "sharegpt"
-) -> Iterator[torch.Tensor]:
-    """``count`` sequences of exactly ``length`` tokens: held-out conversations after ``offset``, joined."""
-    from swiftkv.assets import iter_conversations
-
-    buffer: list[int] = []
-    made = 0
-    for messages in itertools.islice(iter_conversations(data, split="heldout"), offset, None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        buffer += tokenizer(text, add_special_tokens=False).input_ids
-        while len(buffer) >= length and made < count:
-            yield torch.tensor([buffer[:length]])
-            buffer, made = buffer[length:], made + 1
-        if made == count:
-            return
 
 
 @torch.no_grad()

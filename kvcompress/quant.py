@@ -102,7 +102,8 @@ def quantize(x: torch.Tensor, bits: int | None, group_size: int | None = None) -
     grouped = x.float().reshape(*x.shape[:-1], rank // group, group)
     lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
     levels = (1 << bits) - 1
-    scale = ((hi - lo) / levels).clamp_min(1e-8).to(torch.float16)
+    # fp16-safe floor (1e-8 would be 0 in fp16, and a constant group then divides 0 by 0)
+    scale = ((hi - lo) / levels).clamp_min(torch.finfo(torch.float16).tiny).to(torch.float16)
     zero = lo.to(torch.float16)
     codes = ((grouped - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
     packed = _pack(codes.reshape(*x.shape[:-1], rank), bits)

