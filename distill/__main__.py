@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from swiftkv.cliargs import ArgumentParser, UsageError, add_model, run
+from swiftkv.cliargs import ArgumentParser, add_model, run
 
 EPILOG = """examples:
   python -m distill recipes/swiftkv_smollm2_cpu.yaml train.max_steps=50 output_dir=out/x
@@ -27,17 +27,10 @@ def build_parser() -> ArgumentParser:
 
 
 def _distill(args) -> str:
-    from .recipe import RecipeError, load_recipe
+    from .check import load_recipe_or_usage
     from .train import train
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as e:  # one problem per line: report them all on one line
-        problems = [line.removeprefix("recipe error: ") for line in str(e).splitlines()]
-        raise UsageError(
-            f"recipe {args.recipe}: {'; '.join(problems)} (to resolve, fix the recipe or the key=value overrides)"
-        ) from None
-    return f"distilled model: {train(recipe)}"
+    return f"distilled model: {train(load_recipe_or_usage(args.recipe, args.overrides))}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,13 +60,14 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _recipe(args) -> Recipe:
+def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
+    """``load_recipe`` with every problem on one line, as the CLIs report bad input."""
     try:
-        return load_recipe(args.recipe, args.overrides)
+        return load_recipe(path, overrides)
     except RecipeError as e:
         problems = [line.removeprefix("recipe error: ") for line in str(e).splitlines()]
         raise UsageError(
-            f"recipe {args.recipe}: {'; '.join(problems)} (to resolve, fix the recipe or the key=value overrides)"
+            f"recipe {path}: {'; '.join(problems)} (to resolve, fix the recipe or the key=value overrides)"
         ) from None
 
 
@@ -108,7 +109,10 @@ def parallel_plan(path: Path | None) -> Parallel:
     """Process count, ZeRO stage, offload and buckets from an accelerate config (and its DeepSpeed JSON)."""
     if path is None:
         return Parallel()
-    cfg = yaml.safe_load(path.read_text()) or {}
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        cfg = None
     if not isinstance(cfg, dict):
         raise UsageError(
             f"{path} is not an accelerate config mapping (to resolve, pass `accelerate config` output)"
@@ -125,7 +129,12 @@ def parallel_plan(path: Path | None) -> Parallel:
                 f"{path}: deepspeed_config_file {ds_file} not found "
                 "(to resolve, run from the folder it is relative to, or fix the path)"
             )
-        ds = json.loads(ds_path.read_text())
+        try:
+            ds = json.loads(ds_path.read_text())
+        except json.JSONDecodeError as e:
+            raise UsageError(
+                f"{ds_path} is not valid JSON ({e.msg}) (to resolve, fix the DeepSpeed config)"
+            ) from None
     else:  # accelerate's inline keys
         ds = {
             "zero_optimization": {
@@ -267,7 +276,7 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
 
 
 def check(args) -> None:
-    recipe = _recipe(args)
+    recipe = load_recipe_or_usage(args.recipe, args.overrides)
     config = _model_config(recipe, args.model_config)
     par = parallel_plan(args.config)
     max_pos = config.get("max_position_embeddings")

@@ -280,7 +280,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.mark.smollm2
 def test_data_rows_are_counted_and_an_untrainable_source_is_named(smollm2, tmp_path, capsys):
-    from tests.conftest import CONVERSATIONS
+    from conftest import CONVERSATIONS
 
     chats = _write_jsonl(tmp_path / "chats.jsonl", CONVERSATIONS[:10])
     prompts = _write_jsonl(
