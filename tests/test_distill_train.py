@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distill.data import build_datasets
 from distill.objective import DistillationObjective
-from distill.recipe import Recipe, load_recipe
-from distill.train import select_trainable
+from distill.recipe import Recipe, RecipeError, load_recipe
+from distill.train import fingerprint, select_trainable
 from swiftkv.convert import to_swiftkv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +182,7 @@ def assert_resumes_as_uninterrupted(recipe: Path, out: Path, reference: dict[int
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 
+@pytest.mark.smollm2
 @pytest.mark.slow
 def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path):
     """SIGKILL from outside after step 3, and once while step 4's checkpoint is being written (resume from
@@ -227,6 +228,7 @@ def tree(path: Path) -> dict[str, int]:
     return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
 
 
+@pytest.mark.smollm2
 @pytest.mark.slow
 def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
     """Every parameter a ZeRO-3 partition from load on (zero3_init_flag, persistence threshold 0), with the
@@ -267,6 +269,7 @@ def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
 
 
+@pytest.mark.smollm2
 @pytest.mark.slow
 def test_two_process_zero2_lora_bf16(tiny_chat_model, chat_data, tmp_path):
     """LoRA on the SwiftKV projections, bf16 mixed precision and gradient checkpointing under ZeRO-2: the run
@@ -291,6 +294,7 @@ def test_two_process_zero2_lora_bf16(tiny_chat_model, chat_data, tmp_path):
     assert changed and all("swiftkv" in k for k in changed)
 
 
+@pytest.mark.smollm2
 @pytest.mark.slow
 def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "ddp"
@@ -321,6 +325,7 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
     assert (out / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.smollm2
 def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
@@ -369,3 +374,40 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(trainabl
     assert grads[0].keys() == grads[1].keys() and all(g is not None for g in grads[1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_trainable_all_is_refused_at_validation(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        json.dumps({"output_dir": "x", "model": {"source": "m"}, "data": {"sources": [{"path": "d"}]}})
+    )
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, ["train.trainable=all"])
+    assert str(err.value) == (
+        "recipe error: train.trainable: trainable=all would train against a moving teacher (teacher and student "
+        "share the live weights); use trainable=swiftkv or trainable=lora"
+    )
+
+
+def test_resume_on_another_world_size_is_refused_before_any_work(tmp_path):
+    """A 2-process checkpoint relaunched on 1 process: one line, exit 2, nothing written (the model source does
+    not even exist: the check comes before conversion, data and model)."""
+    out = tmp_path / "out"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                "output_dir": str(out),
+                "model": {"source": str(tmp_path / "missing")},
+                "data": {"sources": [{"path": "d"}]},
+            }
+        )
+    )
+    state = {"step": 2, "fingerprint": fingerprint(load_recipe(path), 2)}
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "checkpoints" / "step_2" / "trainer_state.json").write_text(json.dumps(state))
+    before = tree(out)
+    result = run([PY, "-m", "distill", str(path)], expect=2)
+    assert result.stderr.count("\n") == 1 and "written by 2 processes, this launch has 1" in result.stderr
+    assert "to resolve, launch with 2 processes" in result.stderr
+    assert tree(out) == before
