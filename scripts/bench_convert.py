@@ -1,9 +1,8 @@
 """Peak memory of ``swiftkv convert`` on a sharded random Llama checkpoint, against its largest shard.
 
 The source is written shard by shard with safetensors (random weights, the model is never instantiated),
-then converted in a child process (``python -m swiftkv convert``) whose peak RSS comes from ``os.wait4``.
-A second child that only imports the converter measures the interpreter + torch + transformers part of that
-peak.  Target (issue 18): peak RSS <= largest shard + 1 GiB.  "attention + norms" is what a converter that
+then converted by ``swiftkv convert`` in a fresh child interpreter, which reports its own peak RSS (Linux
+VmHWM) after importing the converter (interpreter + torch + transformers) and after converting.  Target (issue 18): peak RSS <= largest shard + 1 GiB.  "attention + norms" is what a converter that
 kept every layer's attention and norm tensors until the end would hold on top of a shard.
 
     python scripts/bench_convert.py --out out/bench/convert.json      # Llama-3.2-1B shape: 1.24 B params, bf16
@@ -86,7 +85,7 @@ def write_checkpoint(path: Path, args) -> list[int]:
         file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         shard = {}
         for name, shape in group:
-            shard[name] = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype)
+            shard[name] = torch.randn(shape, generator=gen, dtype=dtype).mul_(0.02)
         save_file(shard, path / file, metadata={"format": "pt"})
         sizes.append((path / file).stat().st_size)
         weight_map.update(dict.fromkeys(shard, file))
@@ -97,16 +96,28 @@ def write_checkpoint(path: Path, args) -> list[int]:
     return sizes
 
 
-def child_peak_rss(argv: list[str]) -> int:
-    """Run ``argv`` with the repository importable; its peak RSS in bytes (Linux reports KiB)."""
+# runs in the child: the peak RSS (VmHWM) after the imports and after ``swiftkv convert``.  VmHWM belongs to the
+# child's own address space; getrusage/wait4 would also count the RSS the child inherited from this process.
+CHILD = """
+import json, sys
+def peak():
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM"))
+from swiftkv.cli import main
+imported = peak()
+code = main(["convert", *sys.argv[1:]])
+print(json.dumps({"code": code, "import_rss_bytes": imported, "peak_rss_bytes": peak()}))
+"""
+
+
+def convert_in_child(argv: list[str]) -> dict:
+    """``swiftkv convert ARGV`` in a fresh interpreter; its peak RSS after imports and in all."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *argv], cwd=REPO, env=env, capture_output=True, text=True
+    )
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(argv[:4])} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return usage.ru_maxrss * 1024
+        raise RuntimeError(f"swiftkv convert failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def measure(args) -> dict:
@@ -118,10 +129,11 @@ def measure(args) -> dict:
         if shutil.disk_usage(work).free < need:
             raise UsageError(f"{work} has less than {need / GIB:.1f} GiB free (to resolve, pass --work DIR)")
         sizes = write_checkpoint(work / "src", args)
-        baseline = child_peak_rss([sys.executable, "-c", "import swiftkv.convert, swiftkv.cli"])
-        convert = [sys.executable, "-m", "swiftkv", "convert", str(work / "src"), str(work / "dst")]
-        convert += ["--swiftkv-fraction", str(args.fraction), "--group-size", str(args.group_size)]
-        peak = child_peak_rss(convert)
+        rss = convert_in_child(
+            [str(work / "src"), str(work / "dst"), "--swiftkv-fraction", str(args.fraction)]
+            + ["--group-size", str(args.group_size)]
+        )
+        baseline, peak = rss["import_rss_bytes"], rss["peak_rss_bytes"]
         out_bytes = sum(f.stat().st_size for f in (work / "dst").glob("*.safetensors"))
     finally:
         shutil.rmtree(work, ignore_errors=True)

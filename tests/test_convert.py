@@ -378,7 +378,9 @@ def test_peak_memory_is_one_shard_not_every_layers_attention(tmp_path):
     result = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     r = json.loads(out.read_text())["result"]
-    bound = 2 * r["largest_shard_bytes"] + 24 * 2**20  # the shard, its new tensors, a pending group, noise
-    assert r["shards"] == 25 and r["attention_norm_bytes"] > 4 * bound
+    # the shard, its new tensors, a pending group; the allocator keeps a few freed shards (measured: 39-48 MiB
+    # for 24 and 48 layers alike; the converter that kept every attention tensor: 343 MiB)
+    bound = 4 * r["largest_shard_bytes"] + 24 * 2**20
+    assert r["shards"] == 25 and r["attention_norm_bytes"] > 2 * bound
     assert r["conversion_rss_bytes"] <= bound, r
     assert not list(tmp_path.glob("bench-convert-*"))  # the benchmark cleans up

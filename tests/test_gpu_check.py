@@ -1,0 +1,67 @@
+"""scripts/gpu_check.py --tiny: the GPU check's own code, run on the CPU with a tiny config, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--tiny", "--out", str(out), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    return result, json.loads(out.read_text()) if out.is_file() else None
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_check(tmp_path):
+    result, report = run_check(tmp_path, "--compile-backend", "none", "--lengths", "32,64")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["ok"] and report["skipped"] == []
+    assert report["meta"]["variants"] == {"swiftkv25": 6, "swiftkv50": 4}  # of 8 layers
+    models = ["original", "swiftkv25", "swiftkv50"]
+
+    prefill = report["prefill"]
+    assert [(r["length"], r["model"]) for r in prefill] == [(n, m) for n in (32, 64) for m in models]
+    for r in prefill:
+        assert len(r["times_s"]) == 3 and r["median_s"] > 0 and r["peak_memory_bytes"] is None  # CPU
+        assert r["ideal"] == 1.0 if r["model"] == "original" else 1.0 < r["ideal"] < 2.0
+        assert r["speedup"] == pytest.approx(r["of_ideal"] * r["ideal"])
+
+    parity = {(r["model"], r["backend"]): r for r in report["attention_parity"]}
+    assert set(parity) == {(m, b) for m in models for b in ("eager", "flash_attention_2")}
+    for m in models:
+        assert parity[m, "eager"]["status"] == "ok" and parity[m, "eager"]["rel_max_diff"] < 1e-4
+        assert parity[m, "flash_attention_2"]["status"] == "not installed"  # CPU: flash never loads
+
+    static = report["static_compile_parity"]
+    assert [r["model"] for r in static] == models
+    for r in static:
+        assert r["status"] == "ok" and r["static"] == r["dynamic"] and len(r["dynamic"]) == 16
+    assert "peak_bytes" in report["memory"] and set(report["meta"]["step_s"]) == {
+        "build",
+        "attention_parity",
+        "static_compile_parity",
+        "prefill",
+    }
+    assert "| 64 | swiftkv50 |" in result.stdout  # the table
+
+
+@pytest.mark.slow
+def test_time_budget_skips_what_would_not_fit(tmp_path):
+    result, report = run_check(tmp_path, "--compile-backend", "none", "--budget-s", "0", "--lengths", "32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [s["step"] for s in report["skipped"]]
+    assert "prefill 32" in skipped and "static+compile parity swiftkv50" in skipped
+    assert report["prefill"] == [] and all(
+        s["reason"].startswith("past the 0 s budget") for s in report["skipped"]
+    )
+    assert "skipped prefill 32: past the 0 s budget" in result.stdout
