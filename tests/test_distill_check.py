@@ -37,6 +37,39 @@ def check(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+# -- parameter counts: the real model classes on the meta device -------------------------------------------
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("llama3.1_8b", {}),
+        ("llama3.3_70b", {}),
+        ("qwen2.5_7b", {}),
+        ("qwen2.5_7b", {"model.swiftkv.group_size": 7, "model.swiftkv.num_key_value_layers": 14}),
+        ("llama3.1_8b", {"train.trainable": "lora", "model.swiftkv.group_size": 2}),
+    ],
+)
+def test_parameter_counts_equal_the_model_classes(name, overrides):
+    """Total and trainable parameters of the plan equal those of the SwiftKV model built from the config
+    (on the meta device: no memory), trainable as distill.train selects them (peft for LoRA)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import swiftkv  # noqa: F401  (registers the SwiftKV model types)
+    from swiftkv.convert import swiftkv_config
+
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    recipe = load_recipe(ROOT / "recipes" / GPU_RECIPES[name][0], [f"{k}={v}" for k, v in overrides.items()])
+    shape = swiftkv_shape(config, recipe)
+    swift = swiftkv_config(config, shape.num_key_value_layers, shape.group_size)
+    swift.pop("auto_map")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**swift))
+    params = Params.of(shape, config, recipe.train.trainable, recipe.train.lora.r)
+    assert params.total == sum(p.numel() for p in model.parameters())
+    model = select_trainable(model, recipe)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert params.trainable == trainable
+
+
 # -- model states: DeepSpeed's own estimators ------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama3.1_8b", "llama3.3_70b"])
 @pytest.mark.parametrize("stage", [2, 3])
