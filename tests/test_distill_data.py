@@ -69,6 +69,7 @@ def test_recipe_file_errors(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
+@pytest.mark.smollm2
 def test_assistant_mask_covers_exactly_the_assistant_turns(smollm2):
     tok = AutoTokenizer.from_pretrained(smollm2)
     messages = [
@@ -117,6 +118,7 @@ def test_packed_rows_attend_within_their_sample():
     torch.testing.assert_close(student[:, 5:], alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.smollm2
 def test_build_datasets_and_its_errors(tiny_chat_model, chat_data, tmp_path, recipe_file):
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
     recipe = load_recipe(
@@ -372,6 +374,7 @@ def test_datasets_packing_across_map_batches_keeps_every_sample_whole():
     assert len(want["input_ids"]) <= len(rows) <= len(want["input_ids"]) + 3  # <= 1 extra row per batch
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_tokenizing_runs_once_and_other_processes_load_it_from_the_cache(
     smollm2, recipe_file, tmp_path, chat_data

@@ -325,6 +325,7 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
     assert (out / "model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"

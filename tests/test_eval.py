@@ -16,14 +16,12 @@ from swiftkv.convert import convert
 
 
 @pytest.fixture(scope="module")
-def tasks_dir(tmp_path_factory, smollm2):
-    from swiftkv.assets import sharegpt_path
-
-    if not sharegpt_path().is_file():
-        pytest.skip("ShareGPT not fetched; run `python scripts/fetch_assets.py sharegpt`")
+def tasks_dir(tmp_path_factory, smollm2, sharegpt):
     return write_tasks(tmp_path_factory.mktemp("tasks"), n_docs=6)
 
 
+@pytest.mark.slow
+@pytest.mark.smollm2
 def test_stock_lm_eval_runs_a_converted_checkpoint(tiny_chat_model, tasks_dir, tmp_path):
     model = convert(tiny_chat_model, tmp_path / "swift", num_key_value_layers=3)
     out = tmp_path / "results"

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.smollm2
 @pytest.mark.slow
 def test_quick_job_end_to_end_and_resume(smollm2, tmp_path):
     cmd = [sys.executable, "-m", "eval", "run", "--quick", "--out", str(tmp_path / "run")]

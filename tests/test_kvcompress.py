@@ -254,15 +254,12 @@ def test_budget_sets_average_rank():
 
 @pytest.mark.smollm2
 @torch.no_grad()
-def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2):
+def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2, sharegpt):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcompress.calibrate import chat_sequences
     from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes
-    from swiftkv.assets import sharegpt_path
 
-    if not sharegpt_path().is_file():
-        pytest.skip("ShareGPT data not fetched; run `python scripts/fetch_assets.py sharegpt`")
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     factors = factors_from_model(model, chat_sequences(tok, 640, 2), skip=4)

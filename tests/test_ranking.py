@@ -3,7 +3,6 @@
 import itertools
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from eval.serving.ranking.traces import generate_traces, load_traces, split_trac
 from eval.serving.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
 
 WORDS = ["short", "long", "tell", "me", "about", "cats", "dogs", "code", "please", "now", "why", "how"]
-SMOLLM2 = Path(os.path.expanduser("~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="module")
@@ -293,9 +291,8 @@ def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, c
 
 
 @pytest.mark.smollm2
-@pytest.mark.skipif(not SMOLLM2.is_dir(), reason="SmolLM2 not fetched (python scripts/fetch_assets.py)")
-def test_smollm2_head_features_at_the_swiftkv_layer():
-    feats = HiddenStateFeatures(SMOLLM2, layer=15, max_prompt_tokens=64)
+def test_smollm2_head_features_at_the_swiftkv_layer(smollm2):
+    feats = HiddenStateFeatures(smollm2, layer=15, max_prompt_tokens=64)
     assert feats.model.config.num_hidden_layers == 16
     x = feats(["Write a haiku.", "Explain quicksort in detail with code."])
     assert x.shape == (2, 2 * 576) and torch.isfinite(x).all()

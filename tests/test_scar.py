@@ -295,6 +295,7 @@ def _ddp_rank(rank: int, root: str, world: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_full_loss_each_rank_restores_its_share_and_broadcasts(tmp_path):
     torch.multiprocessing.spawn(_ddp_rank, args=(str(tmp_path), 2), nprocs=2)
     assert {p.name for p in tmp_path.glob("rank_*")} == {"rank_00000", "rank_00001"}
@@ -346,6 +347,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_zero_partitions_recover_into_the_model_under_deepspeed(tmp_path):
     import socket
 

