@@ -54,6 +54,7 @@ def test_parameter_counts_equal_the_model_classes(name, overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import swiftkv  # noqa: F401  (registers the SwiftKV model types)
+    from distill.train import select_trainable
     from swiftkv.convert import swiftkv_config
 
     config = json.loads((CONFIGS / name / "config.json").read_text())
