@@ -10,11 +10,12 @@ new projections).  Checks, in this order:
 1. attention parity: the last-token logits of a left-padded batch and 8 greedy tokens with ``eager`` and
    ``flash_attention_2`` against ``sdpa``, for every model (flash where ``flash_attn`` is installed, else the
    row says "not installed");
-2. StaticCache + torch.compile: 16 greedy tokens with ``cache_implementation="static"`` (transformers
-   compiles the decode step) against the dynamic cache, on a short unpadded prompt;
-3. prefill latency (a fresh cache, ``logits_to_keep=1``, as ``generate()`` does) at 2k-32k tokens: CUDA
+2. prefill latency (a fresh cache, ``logits_to_keep=1``, as ``generate()`` does) at 2k-32k tokens: CUDA
    events, one warm-up, the median of 3 interleaved repeats, against ``swiftkv.flops.ideal_prefill_speedup``,
-   with the peak memory of each prefill (``torch.cuda.max_memory_allocated``).
+   with the peak memory of each prefill (``torch.cuda.max_memory_allocated``);
+3. StaticCache + torch.compile: 16 greedy tokens with ``cache_implementation="static"`` (transformers
+   compiles the decode step, inductor with CUDA graphs) against the dynamic cache, on a short unpadded
+   prompt; the SwiftKV models first, the original last as the control.
 
 A time budget (``--budget-s``, 7 minutes) bounds the run: a check or prompt length that would start past it,
 or whose predicted time would pass ``--limit-s`` (8 minutes), is skipped and the output says so.  Prints a
@@ -219,11 +220,13 @@ def static_compile_parity(
     rows = []
     ids = torch.randint(3, models["original"].config.vocab_size, (1, 12), generator=gen).to(device)
     mask = torch.ones_like(ids)
-    for name, model in models.items():
+    last_s = 0.0  # the previous model's compile + generate: the prediction for the next one
+    for name in [*list(models)[1:], "original"]:  # the SwiftKV models first; the original is the control
+        model = models[name]
         row = dict(
             model=name, cache="static", compile_backend=backend, prompt=ids.shape[1], new_tokens=new_tokens
         )
-        if not clock.allows(f"static+compile parity {name}", predicted_s=0.0):
+        if not clock.allows(f"static+compile parity {name}", predicted_s=last_s):
             rows.append({**row, "status": "skipped (time budget)"})
             continue
         dynamic = greedy(model, ids, mask, new_tokens)
@@ -234,8 +237,8 @@ def static_compile_parity(
             config._compile_all_devices = device.type != "cuda"  # transformers compiles on GPUs only
             compile_kwargs = {"compile_config": config}
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        t0 = time.monotonic()
         try:
-            t0 = time.monotonic()
             static = greedy(model, ids, mask, new_tokens, cache_implementation="static", **compile_kwargs)
             row["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
             equal = static == dynamic
@@ -252,6 +255,7 @@ def static_compile_parity(
         except Exception as e:
             rows.append({**row, "status": "FAIL", "error": f"{type(e).__name__}: {e}"[:500]})
         finally:
+            last_s = time.monotonic() - t0
             torch._dynamo.reset()  # free the compiled graphs (and CUDA graphs) before the next model
     return rows
 
@@ -337,22 +341,27 @@ def check(args) -> dict:
     clock = Clock(args.budget_s, args.limit_s)
     gen = torch.Generator().manual_seed(args.seed)
     models = build_models(args.tiny, dtype, device, args.fractions, args.group_size, args.seed)
-    weights = peak_memory(device)
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     lengths = args.lengths or ([64, 128, 256, 512] if args.tiny else [2048, 8192, 16384, 32768])
-    steps = dict(
+    steps = dict(  # cheap and most wanted first; compile time is the unknown, so it goes last
         attention_parity=lambda: attention_parity(
             models, dtype, device, clock, 24 if args.tiny else 512, gen
         ),
-        static_compile_parity=lambda: static_compile_parity(models, device, clock, args.compile_backend, gen),
         prefill=lambda: prefill_latency(models, device, clock, lengths, args.repeats, gen),
+        static_compile_parity=lambda: static_compile_parity(models, device, clock, args.compile_backend, gen),
     )
-    report, step_s = {}, {"build": clock.elapsed()}
+    report, step_s, peaks = {}, {"build": clock.elapsed()}, {}
     for name, step in steps.items():
         t0 = clock.elapsed()
         report[name] = step()
         step_s[name] = clock.elapsed() - t0
+        peaks[name] = peak_memory(device)  # since the last reset (prefill resets it per model)
     report["skipped"] = clock.skipped
-    report["memory"] = dict(weights_bytes=weights, peak_bytes=peak_memory(device))
+    if device.type == "cuda":
+        peak = max([*peaks.values(), *(r["peak_memory_bytes"] for r in report["prefill"])])
+    else:
+        peak = None
+    report["memory"] = dict(weights_bytes=weights, peak_bytes=peak, step_peak_bytes=peaks)
     report["ok"] = all(
         r["status"] in ("ok", "not installed", "skipped (time budget)")
         for r in report["attention_parity"] + report["static_compile_parity"]
