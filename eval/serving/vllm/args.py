@@ -60,7 +60,7 @@ def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
     if meta["tokenizer"]["fingerprint"] != _tokenizer_fingerprint(checkpoint):
         raise ValueError(
             f"suffix cache {cache} was built with tokenizer {meta['tokenizer']['name_or_path']!r}, not "
-            f"{checkpoint}'s; to resolve, rebuild it with `python -m eval.serving.suffix build --model {checkpoint}`"
+            f"{checkpoint}'s; to resolve, rebuild it with `python -m eval.serving.suffix build {checkpoint} --out CACHE`"
         )
     spec = json.dumps(vllm_speculative_config(SpecConfig(**meta["config"])), separators=(",", ":"))
     note = (
