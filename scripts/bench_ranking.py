@@ -4,7 +4,9 @@ Per split seed (a different held-out split each), trains the swiftkv-head with L
 classifier, and (for the first ``--small-lm-seeds`` seeds, it is slow on a CPU) the small LM; reports the
 median tau and its ratio to the bucket baseline of the same kind.  Then simulates FCFS / LTR (first
 seed's swiftkv-head and small LM) / oracle on the held-out requests at offered loads given as multiples of
-the cost model's decode capacity, interleaving the policies over arrival seeds and taking medians.
+the cost model's decode capacity, interleaving the policies over arrival seeds and taking medians, in two
+KV settings: unlimited memory with free preemption, and ``--kv-capacity`` tokens where a preempted request
+loses its KV and prefills again (preemptive SJF pays for preempting; FCFS rarely does).
 
   python scripts/bench_ranking.py out/traces --work out/bench_ranking --out out/bench_ranking.json
   python scripts/bench_ranking.py out/traces --seeds 3 --small-lm-seeds 1 --small-lm-layers 8 \\
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.serving.ranking.simulator import CostModel, SimConfig, run_policies
+from eval.serving.ranking.simulator import CostModel, SimConfig, kv_setting, run_policies
 from eval.serving.ranking.train import (
     TrainConfig,
     evaluate_ranker,
@@ -65,8 +67,9 @@ def tau_table(args) -> tuple[dict[str, list[dict]], dict[str, Path]]:
 
 
 def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
+    """Median latency per policy, load and KV setting: unlimited memory with free preemption, then
+    ``--kv-capacity`` tokens with recompute on preemption; ratios are against FCFS of the same setting."""
     cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
-    config = SimConfig(args.token_budget, args.max_batch)
     traces = held_out_traces(next(iter(rankers.values())), args.traces)
     prompt_len = np.array([t.prompt_len for t in traces])
     output_len = np.array([t.output_len for t in traces])
@@ -77,47 +80,47 @@ def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
     # capacity (req/s): a request's share of full-batch decode iterations plus its prefill tokens
     per_request = output_len.mean() * cost.iteration(0, args.max_batch) / args.max_batch
     capacity = 1.0 / (per_request + cost.prefill_token * prompt_len.mean())
+    policies = [("fcfs", scores[next(iter(scores))]), *scores.items(), ("oracle", -output_len)]
     rows = []
-    for load in args.loads:
-        rate = load * capacity
-        runs: dict[str, list] = {}
-        for seed in range(args.sim_seeds):
-            for name, score in [
-                ("fcfs", scores[next(iter(scores))]),
-                *scores.items(),
-                ("oracle", -output_len),
-            ]:
-                policy = "fcfs" if name == "fcfs" else "oracle" if name == "oracle" else "ltr"
-                (r,) = run_policies(
-                    prompt_len,
-                    output_len,
-                    np.asarray(score, float),
-                    [rate],
-                    [policy],
-                    args.requests,
-                    cost,
-                    config,
-                    seed,
+    for kv in (None, args.kv_capacity):
+        config = SimConfig(args.token_budget, args.max_batch, kv_capacity=kv)
+        for load in args.loads:
+            rate = load * capacity
+            runs: dict[str, list] = {}
+            for seed in range(args.sim_seeds):
+                for name, score in policies:
+                    policy = "fcfs" if name == "fcfs" else "oracle" if name == "oracle" else "ltr"
+                    (r,) = run_policies(
+                        prompt_len,
+                        output_len,
+                        np.asarray(score, float),
+                        [rate],
+                        [policy],
+                        args.requests,
+                        cost,
+                        config,
+                        seed,
+                    )
+                    runs.setdefault(name, []).append(r)
+            fcfs_mean = statistics.median(r.mean_latency_s for r in runs["fcfs"])
+            fcfs_per_token = statistics.median(r.mean_latency_per_token_s for r in runs["fcfs"])
+            for name, rs in runs.items():
+                mean = statistics.median(r.mean_latency_s for r in rs)
+                per_token = statistics.median(r.mean_latency_per_token_s for r in rs)
+                rows.append(
+                    {
+                        "kv": kv_setting(kv),
+                        "load": load,
+                        "rate_req_s": rate,
+                        "policy": name,
+                        "mean_latency_s": mean,
+                        "mean_latency_per_token_s": per_token,
+                        "p90_latency_per_token_s": statistics.median(r.p90_latency_per_token_s for r in rs),
+                        "throughput_tok_s": statistics.median(r.throughput_tok_s for r in rs),
+                        "fcfs_over_policy_mean_latency": fcfs_mean / mean,
+                        "fcfs_over_policy_mean_latency_per_token": fcfs_per_token / per_token,
+                    }
                 )
-                runs.setdefault(name, []).append(r)
-        fcfs_mean = statistics.median(r.mean_latency_s for r in runs["fcfs"])
-        fcfs_per_token = statistics.median(r.mean_latency_per_token_s for r in runs["fcfs"])
-        for name, rs in runs.items():
-            mean = statistics.median(r.mean_latency_s for r in rs)
-            per_token = statistics.median(r.mean_latency_per_token_s for r in rs)
-            rows.append(
-                {
-                    "load": load,
-                    "rate_req_s": rate,
-                    "policy": name,
-                    "mean_latency_s": mean,
-                    "mean_latency_per_token_s": per_token,
-                    "p90_latency_per_token_s": statistics.median(r.p90_latency_per_token_s for r in rs),
-                    "throughput_tok_s": statistics.median(r.throughput_tok_s for r in rs),
-                    "fcfs_over_policy_mean_latency": fcfs_mean / mean,
-                    "fcfs_over_policy_mean_latency_per_token": fcfs_per_token / per_token,
-                }
-            )
     return rows
 
 
@@ -144,6 +147,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--sim-seeds", type=int, default=3)
     parser.add_argument("--token-budget", type=int, default=512)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument(
+        "--kv-capacity",
+        type=int,
+        default=8192,
+        help="KV tokens of the second simulated setting (recompute on preemption); the first is unlimited "
+        "(8192 fp32 tokens of SmolLM2-135M are ~0.75 GiB)",
+    )
     add_out(parser, help="write the tables as JSON", required=False)
     return parser
 
@@ -185,12 +195,12 @@ def bench(args) -> None:
     rows = latency_table(args, listmle)
     print(f"\nsimulated serving (median of {args.sim_seeds} arrival seeds, {args.requests} requests)")
     print(
-        "load | req/s | policy | mean lat s | mean s/token | p90 s/token | tok/s | "
+        "KV | load | req/s | policy | mean lat s | mean s/token | p90 s/token | tok/s | "
         "FCFS/policy mean s/token | FCFS/policy mean lat"
     )
     for r in rows:
         print(
-            f"{r['load']:g} | {r['rate_req_s']:.3f} | {r['policy']} | {r['mean_latency_s']:.1f} | "
+            f"{r['kv']} | {r['load']:g} | {r['rate_req_s']:.3f} | {r['policy']} | {r['mean_latency_s']:.1f} | "
             f"{r['mean_latency_per_token_s']:.3f} | {r['p90_latency_per_token_s']:.3f} | "
             f"{r['throughput_tok_s']:.1f} | {r['fcfs_over_policy_mean_latency_per_token']:.2f}x | "
             f"{r['fcfs_over_policy_mean_latency']:.2f}x"

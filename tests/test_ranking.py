@@ -3,7 +3,10 @@
 import itertools
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -296,3 +299,22 @@ def test_smollm2_head_features_at_the_swiftkv_layer(smollm2):
     assert feats.model.config.num_hidden_layers == 16
     x = feats(["Write a haiku.", "Explain quicksort in detail with code."])
     assert x.shape == (2, 2 * 576) and torch.isfinite(x).all()
+
+
+@pytest.mark.slow  # a subprocess that trains a head: ~15 s of CPU, longer on a shared machine
+def test_bench_ranking_runs_both_kv_settings_on_a_tiny_case(synthetic_traces, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(root / "scripts" / "bench_ranking.py"), str(synthetic_traces),
+           "--work", str(tmp_path / "work"), "--seeds", "1", "--small-lm-seeds", "0", "--head-epochs", "2",
+           "--list-size", "8", "--max-prompt-tokens", "32", "--loads", "1.5", "--requests", "40",
+           "--sim-seeds", "1", "--kv-capacity", "400", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["latency"]
+    assert {(r["kv"], r["policy"]) for r in rows} == {
+        (kv, p) for kv in ("free", "kv 400") for p in ("fcfs", "swiftkv-head listmle", "oracle")
+    }
+    assert "kv 400 | 1.5 |" in run.stdout and "free | 1.5 |" in run.stdout

@@ -114,3 +114,53 @@ def test_summary_and_input_checks():
     with pytest.raises(ValueError, match="token-budget"):
         SimConfig(token_budget=0)
     assert np.all(np.diff(poisson_arrivals(100, 5.0)) > 0)
+
+
+PREFILL_COST = CostModel(base=1.0, prefill_token=1.0, decode_token=0.0)
+
+
+def test_kv_capacity_preemption_recomputes_by_hand():
+    # A (prompt 4, 3 tokens) at 0, B (prompt 4, 1 token) at 0.5; one sequence per iteration
+    arrival, prompt, out = np.array([0.0, 0.5]), np.array([4, 4]), np.array([3, 1])
+    free = SimConfig(token_budget=8, max_batch=1)
+    tight = SimConfig(token_budget=8, max_batch=1, kv_capacity=7)
+    # free preemption: A prefills (1 + 4 s), B preempts it (5 s), A decodes its last 2 tokens (1 s each)
+    assert simulate(arrival, prompt, out, np.zeros(2), "oracle", PREFILL_COST, free).tolist() == [12.0, 10.0]
+    # 7 KV tokens: B's 4 do not fit beside A's 4, so A is evicted and re-prefills prompt + 1 token (6 s)
+    assert simulate(arrival, prompt, out, np.zeros(2), "oracle", PREFILL_COST, tight).tolist() == [17.0, 10.0]
+    # FCFS never preempts: the same schedule with or without the limit
+    for cfg in (free, tight):
+        assert simulate(arrival, prompt, out, np.zeros(2), "fcfs", PREFILL_COST, cfg).tolist() == [7.0, 12.0]
+
+
+def test_ample_kv_capacity_changes_nothing_and_a_tight_one_costs_time():
+    rng = np.random.default_rng(1)
+    out = rng.integers(1, 300, 200)
+    prompt = rng.integers(10, 200, 200)
+    args = (prompt, out, -out.astype(float), [40.0], ["fcfs", "ltr", "oracle"], 200, CostModel())
+    free = run_policies(*args, SimConfig())
+    ample = run_policies(*args, SimConfig(kv_capacity=10**9))
+    assert [r.mean_latency_s for r in ample] == [r.mean_latency_s for r in free]
+    tight = {r.policy: r for r in run_policies(*args, SimConfig(kv_capacity=2000))}
+    free = {r.policy: r for r in free}
+    assert tight["oracle"].mean_latency_s > 1.05 * free["oracle"].mean_latency_s  # recompute is paid
+    assert tight["ltr"].mean_latency_s > 1.05 * free["ltr"].mean_latency_s
+    with pytest.raises(ValueError, match="kv_capacity=300 .* longest request needs 500"):
+        simulate(
+            np.zeros(1),
+            np.array([200]),
+            np.array([300]),
+            np.zeros(1),
+            "fcfs",
+            config=SimConfig(kv_capacity=300),
+        )
+
+
+def test_results_table_reports_the_kv_setting():
+    rng = np.random.default_rng(2)
+    out, prompt = rng.integers(1, 50, 40), rng.integers(5, 50, 40)
+    rows = run_policies(
+        prompt, out, -out.astype(float), [5.0], ["fcfs"], 40, CostModel(), SimConfig(kv_capacity=500)
+    )
+    assert rows[0].kv_capacity == 500 and "kv 500" in results_table(rows)
+    assert run_policies(prompt, out, -out.astype(float), [5.0], ["fcfs"], 40)[0].kv_capacity is None

@@ -89,3 +89,12 @@ def test_bad_arguments_name_the_fix():
         mp.argsort([1.0], pivots=4)
     with pytest.raises(ValueError, match="cutoff=0"):
         mp.count_costs([1.0], cutoff=0)
+
+
+def test_argsort_without_numba_is_numpy_stable_not_the_python_comparator(monkeypatch):
+    keys = np.random.default_rng(5).integers(0, 40, 5000).astype(float)  # many ties
+    expected = {k: mp.count_costs(keys, k)[0] for k in mp.PIVOTS}  # the Python comparator path
+    monkeypatch.setattr(mp, "_compiled", lambda: None)
+    monkeypatch.setattr(mp, "_PURE", {})  # the fallback must not reach for it
+    for k in mp.PIVOTS:
+        assert np.array_equal(mp.argsort(keys, k), expected[k])

@@ -4,7 +4,8 @@ Each algorithm is written once, inside :func:`_build`, and instantiated twice: a
 counts of comparisons and swaps, optionally through a simulated LRU cache) and, when the optional
 ``numba`` is installed, as compiled code for timing and for the scheduler's per-iteration ordering.
 Every algorithm sorts positions by the total order (key, position), so ties are broken by arrival
-order and the result equals ``np.argsort(keys, kind="stable")``.  Pivots are sampled with a small
+order and the result equals ``np.argsort(keys, kind="stable")``, which :func:`argsort` uses when numba is
+absent (the pure-Python instantiation is for counting, far too slow for a scheduler).  Pivots are sampled with a small
 xorshift generator kept in the stats array, so both instantiations do the same work for a seed.
 """
 
@@ -260,15 +261,14 @@ def _check(pivots: int, cutoff: int) -> None:
 def argsort(
     keys: Sequence[float] | np.ndarray, pivots: int = 3, cutoff: int = 16, seed: int = 1
 ) -> np.ndarray:
-    """Positions that sort ``keys`` ascending, ties by position; compiled when numba is installed."""
+    """Positions that sort ``keys`` ascending, ties by position: the compiled multi-pivot sort when numba is
+    installed, else ``np.argsort(kind="stable")``, the same order without a Python comparator per pair."""
     _check(pivots, cutoff)
-    k = np.array(keys, dtype=np.float64)  # a copy: it is sorted along
-    stats = np.array([0, 0, seed & _MASK or 1, 0], dtype=np.int64)
     compiled = _compiled()
     if compiled is None:
-        ix = list(range(len(k)))
-        _PURE[pivots](k.tolist(), ix, cutoff, stats.tolist())
-        return np.asarray(ix, dtype=np.int64)
+        return np.argsort(np.asarray(keys, dtype=np.float64), kind="stable")
+    k = np.array(keys, dtype=np.float64)  # a copy: it is sorted along
+    stats = np.array([0, 0, seed & _MASK or 1, 0], dtype=np.int64)
     ix = np.arange(len(k), dtype=np.int64)
     compiled[pivots](k, ix, cutoff, stats)
     return ix

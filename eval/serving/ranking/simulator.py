@@ -3,8 +3,14 @@
 Each iteration the scheduler orders every arrived, unfinished request (the 3-pivot argsort of
 :mod:`.multipivot`) and fills the batch in that order under a token budget and a sequence cap: a request
 still in prefill takes up to its remaining prompt tokens (chunked prefill), one in decode takes one
-token.  Preemption is free (KV stays resident).  The request whose prefill completes emits its first
-output token in that iteration.  Under ``ltr`` a request left idle for ``starvation_threshold``
+token.  The request whose prefill completes emits its first output token in that iteration.
+
+KV memory: with ``kv_capacity=None`` it is unlimited and preemption is free (a request left out of the
+batch keeps its KV).  With a capacity (tokens) every started request holds the KV of the tokens it has fed;
+a request that needs room evicts resident requests of lower priority, lowest first, as vLLM's recompute
+preemption does: the evicted one loses its KV and must prefill its prompt and every token generated so far
+again (paid through the cost model's prefill term).  When no lower-priority KV is left to evict the batch
+stops there.  FCFS only preempts when memory runs out; preemptive SJF pays for each preemption.  Under ``ltr`` a request left idle for ``starvation_threshold``
 iterations is promoted to the front for ``quantum`` scheduled iterations (the paper: 200 and 10).
 Iteration time comes from a :class:`CostModel` fitted to measured prefill/decode step times.
 """
@@ -54,11 +60,14 @@ class SimConfig:
     max_batch: int = 32
     starvation_threshold: int = 200
     quantum: int = 10
+    kv_capacity: int | None = None
+    """KV-cache tokens; None = unlimited memory and free preemption."""
 
     def __post_init__(self):
-        if min(self.token_budget, self.max_batch, self.starvation_threshold, self.quantum) < 1:
+        fields = (self.token_budget, self.max_batch, self.starvation_threshold, self.quantum)
+        if min(fields) < 1 or (self.kv_capacity is not None and self.kv_capacity < 1):
             raise ValueError(
-                f"{self} has a non-positive field; to resolve, pass positive --token-budget/--max-batch"
+                f"{self} has a non-positive field; to resolve, pass positive --token-budget/--max-batch/--kv-capacity"
             )
 
 
@@ -86,13 +95,22 @@ def simulate(
         raise ValueError(
             "arrivals must be sorted and output lengths >= 1; to resolve, sort requests by arrival"
         )
-    prefill_left = np.maximum(np.asarray(prompt_len, dtype=np.int64), 1)
-    todo = np.asarray(output_len, dtype=np.int64).copy()
+    prompt = np.maximum(np.asarray(prompt_len, dtype=np.int64), 1)
+    prefill_left = prompt.copy()
+    output = np.asarray(output_len, dtype=np.int64)
+    todo = output.copy()
+    capacity = config.kv_capacity
+    if capacity is not None and n and int((prompt + todo).max()) > capacity:
+        raise ValueError(
+            f"kv_capacity={capacity} tokens cannot hold one request: the longest request needs "
+            f"{int((prompt + todo).max())} (prompt + output); to resolve, raise --kv-capacity"
+        )
     base_key = {
         "fcfs": np.asarray(arrival, float),
         "ltr": -np.asarray(score, float),
         "oracle": todo.astype(float),
     }[policy]
+    kv = np.zeros(n, np.int64)  # KV tokens resident per request
     idle = np.zeros(n, np.int64)
     promoted = np.zeros(n, np.int64)
     finish = np.full(n, np.nan)
@@ -106,21 +124,12 @@ def simulate(
         key = base_key[active]
         if policy == "ltr":
             key = np.where(promoted[active] > 0, -np.inf, key)
-        order = active[argsort(key)][: config.max_batch]
-        need = np.where(prefill_left[order] > 0, prefill_left[order], 1)
-        spent = np.cumsum(need)
-        fits = int(np.searchsorted(spent, config.token_budget, side="right"))
-        take = need[:fits].copy()
-        if (
-            fits < len(order) and prefill_left[order[fits]] > 0
-        ):  # chunk the next prefill into the leftover budget
-            leftover = config.token_budget - (int(spent[fits - 1]) if fits else 0)
-            if leftover > 0:
-                take = np.append(take, leftover)
-        run = order[: len(take)]
+        order = active[argsort(key)]
+        run, take = _fill_batch(order, prefill_left, kv, prompt, output, todo, capacity, config)
         in_prefill = prefill_left[run] > 0
         t += cost.iteration(int(take[in_prefill].sum()), int((~in_prefill).sum()))
         prefill_left[run[in_prefill]] -= take[in_prefill]
+        kv[run] += take
         emits = run[prefill_left[run] == 0]
         todo[emits] -= 1
         # starvation guard bookkeeping (only ltr reads `promoted`)
@@ -133,8 +142,50 @@ def simulate(
         idle[starving] = 0
         done = active[todo[active] == 0]
         finish[done] = t
+        kv[done] = 0
         active = active[todo[active] > 0]
     return finish
+
+
+def _fill_batch(
+    order: np.ndarray,
+    prefill_left: np.ndarray,
+    kv: np.ndarray,
+    prompt: np.ndarray,
+    output_len: np.ndarray,
+    todo: np.ndarray,
+    capacity: int | None,
+    config: SimConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The requests of one iteration and the tokens each feeds, in priority ``order``; with a KV capacity,
+    evicts lower-priority residents (recompute: ``prefill_left`` = prompt + generated, KV freed) for room."""
+    run: list[int] = []
+    take: list[int] = []
+    budget = config.token_budget
+    free = None if capacity is None else capacity - int(kv.sum())
+    victims = [int(r) for r in order[::-1] if kv[r] > 0]  # resident, lowest priority first
+    for r in order[: config.max_batch]:
+        r = int(r)
+        need = int(prefill_left[r]) if prefill_left[r] > 0 else 1
+        chunked = need > budget
+        if chunked and (prefill_left[r] == 0 or budget == 0):
+            break
+        need = min(need, budget)
+        if free is not None:
+            while free < need and victims and victims[0] != r and victims[0] not in run:
+                victim = victims.pop(0)
+                free += int(kv[victim])
+                kv[victim] = 0
+                prefill_left[victim] = prompt[victim] + output_len[victim] - todo[victim]
+            if free < need:
+                break
+            free -= need
+        run.append(r)
+        take.append(need)
+        budget -= need
+        if chunked or budget == 0:
+            break
+    return np.asarray(run, np.int64), np.asarray(take, np.int64)
 
 
 @dataclass
@@ -147,9 +198,13 @@ class SimResult:
     throughput_tok_s: float
     throughput_req_s: float
     wall_s: float
+    kv_capacity: int | None = None
+    """The run's KV capacity in tokens (None: unlimited memory, free preemption)."""
 
 
-def summarize(policy: str, rate: float, arrival, output_len, finish, wall_s: float) -> SimResult:
+def summarize(
+    policy: str, rate: float, arrival, output_len, finish, wall_s: float, kv_capacity: int | None = None
+) -> SimResult:
     latency = finish - arrival
     per_token = latency / np.asarray(output_len)
     span = float(np.max(finish) - np.min(arrival))
@@ -162,6 +217,7 @@ def summarize(policy: str, rate: float, arrival, output_len, finish, wall_s: flo
         float(np.sum(output_len) / span),
         float(len(arrival) / span),
         wall_s,
+        kv_capacity,
     )
 
 
@@ -185,8 +241,9 @@ def run_policies(
         for policy in policies:
             start = time.perf_counter()
             finish = simulate(arrival, prompt_len[pick], output_len[pick], score[pick], policy, cost, config)
+            wall = time.perf_counter() - start
             results.append(
-                summarize(policy, rate, arrival, output_len[pick], finish, time.perf_counter() - start)
+                summarize(policy, rate, arrival, output_len[pick], finish, wall, config.kv_capacity)
             )
     return results
 
@@ -220,15 +277,20 @@ def calibrate_cost_model(model_dir: str | os.PathLike, repeats: int = 3, dtype: 
     return CostModel(*(max(float(c), 0.0) for c in coef))
 
 
+def kv_setting(kv_capacity: int | None) -> str:
+    """Table label of a KV setting: ``free`` (unlimited, free preemption) or ``kv N`` (N tokens, recompute)."""
+    return "free" if kv_capacity is None else f"kv {kv_capacity}"
+
+
 def results_table(results: list[SimResult]) -> str:
-    by_rate: dict[float, dict[str, SimResult]] = {}
+    by_rate: dict[tuple[str, float], dict[str, SimResult]] = {}
     for r in results:
-        by_rate.setdefault(r.rate, {})[r.policy] = r
+        by_rate.setdefault((kv_setting(r.kv_capacity), r.rate), {})[r.policy] = r
     lines = [
-        "rate req/s | policy | mean lat s | mean s/token | p90 s/token | tok/s | "
+        "KV | rate req/s | policy | mean lat s | mean s/token | p90 s/token | tok/s | "
         "FCFS/policy mean s/token | FCFS/policy mean lat"
     ]
-    for rate, rows in by_rate.items():
+    for (kv, rate), rows in by_rate.items():
         fcfs = rows.get("fcfs")
         for r in rows.values():
             ratios = (
@@ -238,7 +300,7 @@ def results_table(results: list[SimResult]) -> str:
                 else "- | -"
             )
             lines.append(
-                f"{rate:g} | {r.policy} | {r.mean_latency_s:.2f} | {r.mean_latency_per_token_s:.4f} | "
+                f"{kv} | {rate:g} | {r.policy} | {r.mean_latency_s:.2f} | {r.mean_latency_per_token_s:.4f} | "
                 f"{r.p90_latency_per_token_s:.4f} | {r.throughput_tok_s:.1f} | {ratios}"
             )
     return "\n".join(lines)
