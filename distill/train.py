@@ -37,6 +37,7 @@ from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
+from .comm.config import require_ddp_path
 from .data import build_datasets, check_sources, collate_rows
 from .objective import DistillationObjective
 from .recipe import Recipe
@@ -215,13 +216,14 @@ def setup(recipe: Recipe) -> Run:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[group] if multi else [],
     )
-    ckpt, start_step = resume_point(recipe, accelerator.num_processes)  # before any expensive work
+    require_ddp_path(recipe.comm, deepspeed, accelerator.num_processes)  # before any expensive work
+    ckpt, start_step = resume_point(recipe, accelerator.num_processes)
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if recipe.train.trainable == "lora" and ds_plugin.zero_stage == 3:
             raise ValueError(
-                "train.trainable=lora is not supported with ZeRO-3; use ZeRO-2 or trainable=swiftkv"
+                "train.trainable=lora is not supported with ZeRO-3 (to resolve, use ZeRO-2 or trainable=swiftkv)"
             )
         ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)

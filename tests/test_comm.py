@@ -116,3 +116,32 @@ def test_attach_leaves_non_ddp_models_alone_unless_asked_for_more():
         attach_comm_hook(model, CommConfig(hook="managed", budget=0.1))
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         register_comm_hook(model, CommConfig())
+
+
+def test_comm_sections_only_ddp_can_run_are_refused_before_any_work(tiny_llama_dir, tmp_path):
+    """Under DeepSpeed a DDP comm hook would silently not apply; on one process there is nothing to
+    communicate: both are one-line errors before conversion, data or model loading (no output folder)."""
+    from distill.comm.config import require_ddp_path
+    from distill.recipe import load_recipe
+    from distill.train import train
+
+    managed = CommConfig(hook="managed", budget=0.1)
+    require_ddp_path(CommConfig(), deepspeed=True, processes=8)  # plain all-reduce: DeepSpeed's own
+    require_ddp_path(managed, deepspeed=False, processes=2)
+    with pytest.raises(ValueError, match="under DeepSpeed, which keeps its own gradient communication"):
+        require_ddp_path(managed, deepspeed=True, processes=8)
+    with pytest.raises(ValueError, match=r"staleness 2\) cannot run under DeepSpeed"):
+        require_ddp_path(CommConfig(staleness=2), deepspeed=True, processes=8)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(
+        f"output_dir: {out}\nmodel: {{source: {tiny_llama_dir}, swiftkv: {{num_key_value_layers: 3}}}}\n"
+        f"data: {{sources: [{{path: {data}}}]}}\ncomm: {{hook: managed, budget: 0.1}}\n"
+    )
+    with pytest.raises(ValueError, match=r"cannot run on one process \(to resolve") as e:
+        train(load_recipe(recipe, []))
+    assert "\n" not in str(e.value) and not out.exists()

@@ -63,3 +63,18 @@ class CommConfig(BaseModel):
                 "staleness synchronous; to resolve, use priority=random or fifo with staleness > 0"
             )
         return self
+
+
+def require_ddp_path(cfg: CommConfig, deepspeed: bool, processes: int) -> None:
+    """Refuse, before any work, a comm section that only the multi-process DDP path can run: DeepSpeed keeps
+    its own gradient communication (a hook would silently not apply), and one process communicates nothing."""
+    if cfg.hook == "allreduce" and not cfg.staleness:
+        return
+    if deepspeed or processes < 2:
+        where = (
+            "under DeepSpeed, which keeps its own gradient communication" if deepspeed else "on one process"
+        )
+        raise ValueError(
+            f"comm.hook={cfg.hook} (staleness {cfg.staleness}) cannot run {where} (to resolve, launch >= 2 "
+            "processes without DeepSpeed, e.g. torchrun --nproc_per_node N -m distill RECIPE, or drop the comm section)"
+        )
