@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import tiny_base
+from transformers import AutoModelForCausalLM
 
 from swiftkv import (
     LlamaSwiftKVConfig,
     LlamaSwiftKVForCausalLM,
     Qwen2SwiftKVConfig,
     Qwen2SwiftKVForCausalLM,
+    Qwen3SwiftKVConfig,
+    Qwen3SwiftKVForCausalLM,
     convert,
 )
+from swiftkv.cli import main as cli
 
 CLASSES = {
     "llama": (LlamaSwiftKVConfig, LlamaSwiftKVForCausalLM),
     "qwen2": (Qwen2SwiftKVConfig, Qwen2SwiftKVForCausalLM),
+    "qwen3": (Qwen3SwiftKVConfig, Qwen3SwiftKVForCausalLM),
 }
 ATOL = 1e-5
 
@@ -46,7 +56,7 @@ def left_padded_batch(lengths=(9, 5, 7), vocab=128, pad=0):
     return seqs, ids, mask
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("l,g", [(3, 1), (2, 2), (6, 1)])
 def test_teacher_mode_is_the_base_model(family, l, g):
     base = tiny_base(family)
@@ -74,7 +84,7 @@ def test_student_mode_differs_from_teacher():
         assert (student - model(ids).logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("g", [1, 3])
 def test_skip_ahead_prefill_equals_training_path(family, g):
     model = to_swiftkv(tiny_base(family), l=3, g=g)
@@ -183,3 +193,74 @@ def test_trainable_parameter_names_follow_the_design():
     assert set(model.swiftkv_parameter_names()) == expected
     with pytest.raises(ValueError, match="mode must be"):
         model.set_mode("student ")
+
+
+def test_past_key_values_keyword_is_the_cache():
+    """transformers 5.x renamed past_key_values to cache; the old keyword must still carry the cache."""
+    model = to_swiftkv(tiny_base("llama"), l=3, g=3)
+    ids = torch.randint(3, 128, (2, 10))
+    with torch.no_grad():
+        expected = model(ids[:, 6:], cache=model(ids[:, :6], use_cache=True).cache).logits
+        got = model(ids[:, 6:], past_key_values=model(ids[:, :6], use_cache=True).cache).logits
+        model.model(ids[:, 3:6], past_key_values=(cache := model(ids[:, :3], use_cache=True).cache))
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert cache.get_seq_length() == 6  # the base model's forward took it too
+
+
+def test_gradient_checkpointing_in_training_turns_the_cache_off_as_stock_llama():
+    base = tiny_base("llama")
+    model = to_swiftkv(base, l=3, g=3)
+    ids = torch.randint(3, 128, (2, 10))
+    for m in (base, model):
+        m.gradient_checkpointing_enable()
+        m.train()
+        out = m(ids, use_cache=True)
+        assert out.cache is None
+        out.logits.sum().backward()
+    assert model.model.layers[3].self_attn.k_proj_swiftkv.weight.grad is not None
+
+
+def test_qwen3_swiftkv_layers_own_head_norms():
+    """As the reference training code's Qwen3 model: q_norm_swiftkv on every SwiftKV layer, k_norm_swiftkv on
+    each group leader, initialized from q_norm and the group's mean k_norm."""
+    base = tiny_base("qwen3")
+    model = convert.to_swiftkv(base, 2, 2)
+    names = {n for n in model.swiftkv_parameter_names() if "_norm_swiftkv" in n and "layers" in n}
+    assert names == {f"model.layers.{j}.self_attn.q_norm_swiftkv.weight" for j in range(2, 6)} | {
+        f"model.layers.{j}.self_attn.k_norm_swiftkv.weight" for j in (2, 4)
+    }
+    attn = model.model.layers[4].self_attn
+    torch.testing.assert_close(attn.q_norm_swiftkv.weight, base.model.layers[4].self_attn.q_norm.weight)
+    mean = (base.model.layers[4].self_attn.k_norm.weight + base.model.layers[5].self_attn.k_norm.weight) / 2
+    torch.testing.assert_close(attn.k_norm_swiftkv.weight, mean)
+
+
+def test_qwen3_converts_and_loads_with_and_without_the_package(tmp_path):
+    """`swiftkv convert` on a tiny Qwen3 checkpoint; teacher mode is stock Qwen3ForCausalLM; the checkpoint
+    opens with trust_remote_code in a process that never imports swiftkv and gives the same logits."""
+    src, dst = tmp_path / "qwen3", tmp_path / "swift"
+    base = tiny_base("qwen3")
+    base.save_pretrained(src)
+    assert cli(["convert", str(src), str(dst), "--num-key-value-layers", "3", "--group-size", "3"]) == 0
+    config = json.loads((dst / "config.json").read_text())
+    assert config["model_type"] == "qwen3_swiftkv" and config["architectures"] == ["Qwen3SwiftKVForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert isinstance(model, Qwen3SwiftKVForCausalLM)
+    ids = torch.arange(3, 13)[None]
+    with torch.no_grad():
+        student = float(model(ids).logits.sum())
+        model.set_mode("teacher")
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, atol=ATOL, rtol=0)
+    script = (
+        "import sys, torch; from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True).eval()\n"
+        "assert 'swiftkv' not in sys.modules, 'the package was imported'\n"
+        "with torch.no_grad(): print(type(m).__name__, float(m(torch.arange(3, 13)[None]).logits.sum()))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, total = result.stdout.split()
+    assert name == "Qwen3SwiftKVForCausalLM" and abs(float(total) - student) < 1e-3
