@@ -9,10 +9,10 @@ from swiftkv.cliargs import (
     add_limit,
     add_model,
     add_out,
+    command_parser,
     existing_path,
     float_list,
     run,
-    subcommands,
 )
 
 EPILOG = """examples:
@@ -30,8 +30,7 @@ EPILOG = """examples:
 def build_parser() -> ArgumentParser:
     from .job import JOB_EPILOG
 
-    parser = ArgumentParser(prog="python -m eval", description=__doc__, epilog=EPILOG)
-    sub = subcommands(parser)
+    parser, sub = command_parser("python -m eval", __doc__, EPILOG)
     job = sub.add_parser("run", help="the main job on the embedded default (resumable)", epilog=JOB_EPILOG)
     add_out(job, help="run folder (default out/demo, out/demo-quick with --quick)", required=False)
     job.add_argument("--quick", action="store_true", help="tiny settings (CI)")

@@ -8,9 +8,9 @@ from swiftkv.cliargs import (
     add_limit,
     add_model,
     add_out,
+    command_parser,
     int_list,
     run,
-    subcommands,
 )
 
 EPILOG = """examples:
@@ -22,13 +22,10 @@ then:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="kvcompress",
-        description="Token-adaptive low-rank + multi-level quantized KV cache (TALE).",
-        epilog=EPILOG,
+    parser, sub = command_parser(
+        "kvcompress", "Token-adaptive low-rank + multi-level quantized KV cache (TALE).", EPILOG
     )
-    sub = subcommands(parser)
-    cal = sub.add_parser("calibrate", help="compute low-rank KV factors and a default policy", epilog=EPILOG)
+    cal = sub.add_parser("calibrate", help="compute low-rank KV factors and a default policy")
     add_model(cal, "model_dir", help="Hugging Face model directory (Llama family, or a SwiftKV checkpoint)")
     add_out(cal, help="factors directory to write (complete or absent)")
     cal.add_argument(
@@ -56,23 +53,15 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+# keyword options of calibrate(), named as on the command line
+OPTIONS = ("data", "max_length", "rank_budget", "bits", "sinks", "window", "block", "force")
+
+
 def _calibrate(args) -> str:
     from .calibrate import calibrate
 
-    out = calibrate(
-        args.model_dir,
-        args.out,
-        data=args.data,
-        samples=args.limit,
-        max_length=args.max_length,
-        rank_budget=args.rank_budget,
-        bits=args.bits,
-        sinks=args.sinks,
-        window=args.window,
-        block=args.block,
-        force=args.force,
-    )
-    return f"wrote {out}"
+    options = {name: getattr(args, name) for name in OPTIONS}
+    return f"wrote {calibrate(args.model_dir, args.out, samples=args.limit, **options)}"
 
 
 def main(argv: list[str] | None = None) -> int:

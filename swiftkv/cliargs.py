@@ -11,6 +11,7 @@ Every CLI is ``main(argv) -> int`` built from these pieces, so a user meets the 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,9 +35,19 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    """Required sub-commands whose parsers share the project's parser class and formatting."""
-    return parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+def subcommands(parser: argparse.ArgumentParser, epilog: str | None = None) -> argparse._SubParsersAction:
+    """Required sub-commands whose parsers share the project's parser class, formatting and (by default)
+    the examples ``epilog``."""
+    parser_class = functools.partial(ArgumentParser, epilog=epilog) if epilog else ArgumentParser
+    return parser.add_subparsers(dest="command", required=True, parser_class=parser_class)
+
+
+def command_parser(
+    prog: str, description: str, epilog: str
+) -> tuple[ArgumentParser, argparse._SubParsersAction]:
+    """A CLI with sub-commands: the top parser and its sub-command set, all showing the same examples."""
+    parser = ArgumentParser(prog=prog, description=description, epilog=epilog)
+    return parser, subcommands(parser, epilog)
 
 
 def existing_path(text: str) -> Path:

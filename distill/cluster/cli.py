@@ -13,8 +13,8 @@ from swiftkv.cliargs import (
     add_model,
     add_out,
     add_seed,
+    command_parser,
     run,
-    subcommands,
 )
 
 EPILOG = """examples:
@@ -92,12 +92,11 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> ArgumentParser:
-    ap = ArgumentParser(
-        prog="python -m distill.cluster",
-        description="Sia-style heterogeneity-aware, goodput-optimized planning of distillation jobs.",
-        epilog=EPILOG,
+    ap, sub = command_parser(
+        "python -m distill.cluster",
+        "Sia-style heterogeneity-aware, goodput-optimized planning of distillation jobs.",
+        EPILOG,
     )
-    sub = subcommands(ap)
     commands = {
         "plan": (_plan, "allocate and place jobs for the coming round"),
         "launch-configs": (_launch, "accelerate/DeepSpeed configs per planned job"),
@@ -106,7 +105,7 @@ def build_parser() -> ArgumentParser:
     }
     p = {}
     for name, (func, text) in commands.items():
-        p[name] = sub.add_parser(name, help=text, description=text, epilog=EPILOG)
+        p[name] = sub.add_parser(name, help=text, description=text)
         p[name].set_defaults(func=func)
     add_model(p["plan"], "cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
     add_model(p["plan"], "jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement)")

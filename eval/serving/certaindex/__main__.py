@@ -16,9 +16,9 @@ from swiftkv.cliargs import (
     add_limit,
     add_out,
     add_seed,
+    command_parser,
     existing_path,
     run,
-    subcommands,
 )
 
 from .answers import answers_equal
@@ -148,10 +148,7 @@ def model_or_url(text: str) -> str:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m eval.serving.certaindex", description=__doc__.splitlines()[0], epilog=EPILOG
-    )
-    sub = subcommands(parser)
+    parser, sub = command_parser("python -m eval.serving.certaindex", __doc__.splitlines()[0], EPILOG)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "model", type=model_or_url, help="transformers model dir, or http://host:port/v1 endpoint"
@@ -183,7 +180,7 @@ def build_parser() -> ArgumentParser:
         ("sc", _cmd_sc, "certaindex-adaptive self-consistency"),
         ("calibrate", _cmd_calibrate, "pick the certaindex threshold on a dev split"),
     ):
-        p = sub.add_parser(name, parents=[solve], help=text, epilog=EPILOG)
+        p = sub.add_parser(name, parents=[solve], help=text)
         p.add_argument("--max-samples", type=int, default=16)
         p.add_argument(
             "--step", type=int, default=4, help="samples drawn per round between certaindex checks"

@@ -14,10 +14,10 @@ from swiftkv.cliargs import (
     add_model,
     add_out,
     add_seed,
+    command_parser,
     existing_path,
     float_list,
     run,
-    subcommands,
 )
 
 EPILOG = """examples:
@@ -37,12 +37,11 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def build_parser() -> ArgumentParser:
     from .train import TrainConfig
 
-    parser = ArgumentParser(
-        prog="python -m eval.serving.ranking",
-        description="Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
-        epilog=EPILOG,
+    parser, sub = command_parser(
+        "python -m eval.serving.ranking",
+        "Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
+        EPILOG,
     )
-    sub = subcommands(parser)
 
     p = sub.add_parser(
         "traces", help="sample (prompt, output length) pairs from the target model (resumable)"

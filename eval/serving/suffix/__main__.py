@@ -12,9 +12,9 @@ from swiftkv.cliargs import (
     add_limit,
     add_model,
     add_out,
+    command_parser,
     existing_path,
     run,
-    subcommands,
 )
 
 from .cache import SpecConfig
@@ -50,13 +50,12 @@ def _spec_config(args: argparse.Namespace, base: dict | None = None) -> SpecConf
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m eval.serving.suffix",
-        description="SuffixDecoding: build suffix caches, generate with them, export the vLLM config.",
-        epilog=EPILOG,
+    parser, sub = command_parser(
+        "python -m eval.serving.suffix",
+        "SuffixDecoding: build suffix caches, generate with them, export the vLLM config.",
+        EPILOG,
     )
-    sub = subcommands(parser)
-    b = sub.add_parser("build", help="build a global suffix tree from responses", epilog=EPILOG)
+    b = sub.add_parser("build", help="build a global suffix tree from responses")
     add_model(b, help="model (or tokenizer) directory whose tokenizer to use")
     add_out(b, help="output directory (written complete or not at all)")
     b.add_argument(
@@ -68,7 +67,7 @@ def build_parser() -> ArgumentParser:
     add_limit(b, 2000, "conversations / generation records to read")
     add_force(b)
     _spec_args(b)
-    g = sub.add_parser("generate", help="speculative greedy generation", epilog=EPILOG)
+    g = sub.add_parser("generate", help="speculative greedy generation")
     add_model(g)
     g.add_argument(
         "--prompts",
