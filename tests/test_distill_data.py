@@ -463,3 +463,14 @@ def test_gpu_recipes_read_each_source_by_its_layout():
         assert sources["nvidia/AceMath-Instruct-Training-Data"].format == "acemath"
         assert sources["lmsys/lmsys-chat-1m"].format == "lmsys" and sources["lmsys/lmsys-chat-1m"].gated
         assert "gated" in path.read_text() and "login" in path.read_text()
+
+
+@pytest.mark.smollm2
+def test_plain_text_counts_every_token(smollm2, recipe_file, tmp_path):
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    path = tmp_path / "notes.txt"
+    path.write_text("The first line of notes.\n\nThe second one, longer than the first.\n")
+    train, _ = build_datasets(data_recipe(recipe_file, tmp_path, [{"path": str(path)}]).data, tok)
+    lines = [line for line in path.read_text().splitlines() if line]
+    want = sorted(len(tok(line, add_special_tokens=False)["input_ids"]) - 1 for line in lines)
+    assert sorted(train["loss_mask"][:].sum(1).tolist()) == want  # every token but the first is predicted
