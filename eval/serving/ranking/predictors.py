@@ -234,7 +234,7 @@ class Ranker:
             if target_model is None:
                 raise ValueError(
                     f"ranker {path} is a swiftkv-head that reads the served model's x_l; to resolve, pass "
-                    "the served model's directory (target_model / --model)"
+                    "the served model's directory as target_model (or traces whose meta.json names it)"
                 )
             check_target(self.spec, path, target_model)
         if self.spec.kind == "small-lm":
