@@ -10,7 +10,7 @@ What differs from the base family is only this:
   ``x_l`` is the input of layer ``l``; queries use ``q_proj_swiftkv`` on the layer's own normed input.
 
 One forward serves training and inference.  Tokens run layers ``< l``; then the K/V of all later groups are
-computed from ``h`` in one fused matmul and written into the cache once per group (the leader's slot, so
+computed from ``h`` (at inference in one fused matmul per device) and written into the cache once per group (the leader's slot, so
 AcrossKV really stores one K/V per group); then only the tokens whose logits are wanted (``logits_to_keep``,
 which ``generate()`` sets to 1) continue through layers ``>= l``.  Without ``logits_to_keep`` every token
 continues (the training path), which gives the same numbers at the kept positions.  The kept rows get their
