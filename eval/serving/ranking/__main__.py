@@ -101,6 +101,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--starvation-threshold", type=int, default=200)
     p.add_argument("--quantum", type=int, default=10)
+    p.add_argument(
+        "--kv-capacity", type=int, help="KV tokens (default unlimited); preempted requests re-prefill"
+    )
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
     add_seed(p)
     add_out(p, help="also write the results as JSON", required=False)
@@ -170,7 +173,9 @@ def _simulate(args) -> None:
     traces = held_out_traces(args.ranker, args.traces, args.split)
     scores = load_ranker(args.ranker, args.traces).score([t.prompt for t in traces], progress=True)
     cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
-    config = SimConfig(args.token_budget, args.max_batch, args.starvation_threshold, args.quantum)
+    config = SimConfig(
+        args.token_budget, args.max_batch, args.starvation_threshold, args.quantum, args.kv_capacity
+    )
     results = run_policies(
         np.array([t.prompt_len for t in traces]),
         np.array([t.output_len for t in traces]),
