@@ -36,7 +36,7 @@ def word_tokenizer(words: int = 128, offset: int = 0):
 def filled_cache(seed: int = 0, limit: int = 6) -> SuffixCache:
     rng = random.Random(seed)
     cache = SuffixCache(SpecConfig(max_depth=6, max_cached_requests=limit, min_token_prob=0.0))
-    for _ in range(10):  # more than the limit: evicted sequences stay referenced by surviving nodes
+    for _ in range(10):  # more than the limit: nodes that pointed into evicted responses are re-pointed
         cache.add_response([rng.randrange(3, 9) for _ in range(rng.randint(1, 30))])
     return cache
 
@@ -53,9 +53,40 @@ def test_round_trip_is_exact_and_keeps_fifo(tmp_path):
         ctx = [rng.randrange(3, 9) for _ in range(rng.randint(1, 5))]
         a, b = cache.global_tree.speculate(ctx, 8), loaded.global_tree.speculate(ctx, 8)
         assert (a.tokens, a.probs, a.match_len) == (b.tokens, b.probs, b.match_len)
-    for c in (cache, loaded):  # the next insertion evicts the same (oldest) response in both
-        c.add_response([3, 4, 5])
-    assert expand(loaded.global_tree) == expand(cache.global_tree)
+    for k in range(8):  # the next insertions evict the same (oldest) responses in both
+        for c in (cache, loaded):
+            c.add_response([3, 4, 5, k % 3 + 3])
+        assert expand(loaded.global_tree) == expand(cache.global_tree)
+        for _ in range(5):
+            ctx = [rng.randrange(3, 9) for _ in range(rng.randint(2, 5))]
+            a, b = cache.global_tree.speculate(ctx, 8), loaded.global_tree.speculate(ctx, 8)
+            assert (a.tokens, a.probs) == (b.tokens, b.probs)  # sibling order survived the round trip
+
+
+def test_evicted_responses_are_freed_and_not_saved(tmp_path):
+    import gc
+    import weakref
+
+    import numpy as np
+
+    cache = filled_cache(limit=3)
+    live = {id(a) for a in cache.global_tree.seqs.values()}
+    refs = set()
+    stack = [cache.global_tree.root]
+    while stack:
+        node = stack.pop()
+        refs |= {id(node.ref)} if node.ref is not None else set()
+        stack.extend(node.children.values())
+    del node
+    assert refs <= live  # every node points into a cached response
+    first = weakref.ref(cache.global_tree.seqs[min(cache.global_tree.seqs)])
+    for _ in range(3):
+        cache.add_response([3, 4, 5])
+    gc.collect()
+    assert first() is None  # the evicted response's token array is gone
+    save_cache(cache, tmp_path / "c", word_tokenizer())
+    with np.load(tmp_path / "c" / "tree.npz") as data:
+        assert len(data["tokens"]) == sum(map(len, cache.global_tree.seqs.values())) == 9
 
 
 def test_other_tokenizer_is_refused(tmp_path):
@@ -108,8 +139,9 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
     )
     cache = load_cache(out, tok)
     assert cache.num_responses == 2 and cache.config.max_spec == 4
-    # after "w5 w6 w7" both responses split (w8 / <eos>, p = 1/2 each): the tie goes to the smaller id
-    assert cache.global_tree.speculate([5, 6], 4).tokens == [7, 1]
+    # after "w5 w6 w7" both responses split (w8 / <eos>, p = 1/2 each): the tie goes to the one seen first
+    draft = cache.global_tree.speculate([4, 5, 6], 4)  # match lengths < len(context), as the reference
+    assert draft.tokens[0] == 7 and draft.probs[1] == 0.5 and draft.match_len == 2
     assert main(["build", str(tiny_llama_dir), "--out", str(out), "--responses-from", str(gens)]) == 2
     assert "not empty" in capsys.readouterr().err
 
@@ -136,7 +168,12 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
     assert record["new_tokens"] <= 5 and record["tokens_per_step"] >= 1.0
 
     assert main(["export-vllm", str(out)]) == 0
-    spec = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    spec = json.loads(captured.out)
+    # one warning line naming what vLLM drops: the pre-built tree (offset and mode are the defaults here)
+    assert captured.err.strip().splitlines() == [
+        "warning: vLLM ignores the 2 pre-built responses (vLLM starts with an empty global tree)"
+    ]
     assert spec == {
         "method": "suffix",
         "num_speculative_tokens": 4,

@@ -94,3 +94,21 @@ def test_smollm2_self_refinement_equals_greedy(smollm2):
     stats = speculative_generate(model, prompt, 24, SuffixCache(SpecConfig(mode="tree")))
     assert stats.tokens == greedy(model, prompt, 24)
     assert stats.steps < len(stats.tokens) - 1  # the copy was drafted and accepted
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_sliding_window_models_are_refused_by_name(window):
+    """A tiny Mistral with sliding_window set: refused before any forward; without a window it decodes."""
+    from conftest import TINY
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**{**TINY, "sliding_window": window})).eval()
+    model.generation_config.eos_token_id = None
+    prompt = repetitive_prompt(1)
+    if window is not None:
+        with pytest.raises(ValueError, match="sliding_window=8"):
+            speculative_generate(model, prompt, 32, SuffixCache(SpecConfig(max_spec=8)))
+        return
+    stats = speculative_generate(model, prompt, 32, SuffixCache(SpecConfig(max_spec=8, min_token_prob=0.05)))
+    assert stats.tokens == greedy(model, prompt, 32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
 from swiftkv.cliargs import (
     ArgumentParser,
@@ -17,6 +18,7 @@ from swiftkv.cliargs import (
     run,
 )
 
+from .artifact import vllm_dropped_settings
 from .cache import SpecConfig
 
 EPILOG = """examples:
@@ -106,6 +108,9 @@ def _command(args: argparse.Namespace) -> str | None:
         ):
             print(json.dumps(record), flush=True)
         return None
+    dropped = vllm_dropped_settings(stages.read_meta(args.cache))
+    if dropped:
+        print(f"warning: vLLM ignores {', '.join(dropped)}", file=sys.stderr)
     return json.dumps(stages.export_vllm(args.cache))
 
 

@@ -1,11 +1,12 @@
 """On-disk suffix caches: a versioned directory holding a pre-built global tree, and the vLLM config export.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
     suffix_cache.json   format, version, SpecConfig, tokenizer fingerprint, sha256 of tree.npz, sizes
-    tree.npz            the compressed tree as flat arrays (nodes in parent-before-child order) and the
-                        token arrays the nodes point into; loading rebuilds the nodes without re-inserting
-                        suffixes, so it costs O(nodes), not O(tokens * depth)
+    tree.npz            the compressed tree as flat arrays (nodes in parent-before-child order, siblings
+                        in count order, suffix endpoints) and the cached responses' tokens (evicted ones
+                        are gone); loading rebuilds the nodes without re-inserting suffixes, so it costs
+                        O(nodes), not O(tokens * depth)
     provenance.json     what built it (swiftkv.artifacts)
 
 A cache is only valid for the tokenizer it was built with, so the tokenizer's vocabulary is fingerprinted and
@@ -26,10 +27,10 @@ from typing import Any
 from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
 from .cache import SpecConfig, SuffixCache
-from .tree import SuffixTree, _Node
+from .tree import SuffixTree, _Group, _Node
 
 FORMAT = "swiftkv-suffix-cache"
-VERSION = 1
+VERSION = 2
 META_FILE = "suffix_cache.json"
 TREE_FILE = "tree.npz"
 
@@ -44,23 +45,30 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
-    """Flatten a tree; ``order`` lists the live sequence ids to store first (FIFO order)."""
+    """Flatten a tree; ``order`` lists the sequence ids in FIFO order (every node points into one of them).
+
+    Children are stored in their sibling order (decreasing count, the reference's tie order), and every
+    node's suffix endpoints as (node, sequence, end) rows, so a loaded tree drafts and evicts exactly as
+    the saved one.
+    """
     import numpy as np
 
     arrays: list[array] = [tree.seqs[i] for i in order]
-    index = {id(a): k for k, a in enumerate(arrays)}
+    index = {seq_id: k for k, seq_id in enumerate(order)}
     parent, count, length, ref, end = [-1], [tree.root.count], [0], [-1], [0]
+    ep_node, ep_seq, ep_end = [], [], []
     queue: deque[tuple[_Node, int]] = deque([(tree.root, 0)])
     while queue:
         node, idx = queue.popleft()
-        for child in node.children.values():
-            if id(child.ref) not in index:
-                index[id(child.ref)] = len(arrays)
-                arrays.append(child.ref)
+        for seq_id, e in node.endpoints.items():
+            ep_node.append(idx)
+            ep_seq.append(index[seq_id])
+            ep_end.append(e)
+        for child in node.ordered_children():
             parent.append(idx)
             count.append(child.count)
             length.append(child.length)
-            ref.append(index[id(child.ref)])
+            ref.append(index[child.ref_id])
             end.append(child.end)
             queue.append((child, len(parent) - 1))
     offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
@@ -79,6 +87,9 @@ def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
         "length": np.array(length, dtype=np.int64),
         "ref": np.array(ref, dtype=np.int64),
         "end": np.array(end, dtype=np.int64),
+        "endpoint_node": np.array(ep_node, dtype=np.int64),
+        "endpoint_seq": np.array(ep_seq, dtype=np.int64),
+        "endpoint_end": np.array(ep_end, dtype=np.int64),
     }
 
 
@@ -88,14 +99,19 @@ def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
 
     offsets, tokens = data["offsets"], data["tokens"]
     parent, count, length, ref, end = (data[k][1:] for k in ("parent", "count", "length", "ref", "end"))
+    ep_node, ep_seq, ep_end = (data[k] for k in ("endpoint_node", "endpoint_seq", "endpoint_end"))
     n_seqs, n_nodes = len(offsets) - 1, len(parent)
-    if n_seqs < len(data["seq_ids"]) or len(tokens) != (offsets[-1] if len(offsets) else 0):
+    if n_seqs != len(data["seq_ids"]) or len(tokens) != (offsets[-1] if len(offsets) else 0):
         raise ValueError("sequence table does not match the token array")
     ok = (parent >= 0) & (parent <= np.arange(n_nodes)) & (ref >= 0) & (ref < n_seqs) & (count >= 1)
     seq_len = np.diff(offsets)[np.clip(ref, 0, max(n_seqs - 1, 0))] if n_seqs else np.zeros(n_nodes, np.int64)
     ok &= (length >= 1) & (length <= end) & (end <= seq_len)
     if not ok.all():
         raise ValueError(f"node {int(np.argmin(ok)) + 1} is inconsistent")
+    if len(ep_node) and not (
+        (ep_node >= 0).all() & (ep_node <= n_nodes).all() & (ep_seq >= 0).all() & (ep_seq < n_seqs).all()
+    ):
+        raise ValueError("endpoint table is inconsistent")
     first = tokens[offsets[ref] + end - length].tolist() if n_nodes else []
     arrays = [
         array("i", tokens[a:b].astype("int32").tobytes())
@@ -103,7 +119,7 @@ def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
     ]
     tree = SuffixTree(int(data["max_depth"]))
     seq_ids = data["seq_ids"].tolist()
-    tree.seqs = dict(zip(seq_ids, arrays[: len(seq_ids)], strict=True))
+    tree.seqs = dict(zip(seq_ids, arrays, strict=True))
     tree.root.count = int(data["count"][0])
     nodes = [tree.root]
     columns = (parent.tolist(), count.tolist(), length.tolist(), ref.tolist(), end.tolist(), first)
@@ -111,9 +127,26 @@ def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
     gc.disable()  # millions of new container objects would trigger repeated, ever longer collections (~3x slower)
     try:
         for p, c, n, r, e, t in zip(*columns, strict=True):
-            node = _Node(c, n, arrays[r], e, nodes[p])
-            nodes[p].children[t] = node
+            up = nodes[p]
+            node = _Node(c, n, arrays[r], seq_ids[r], e, up)
+            up.children[t] = node
+            last = up.tail
+            if last is None:
+                up.head = node
+                node.group = _Group(node)
+            else:
+                if last.count < c:
+                    raise ValueError(f"node {len(nodes)} is out of count order")
+                last.next, node.prev = node, last
+                if last.count == c:
+                    node.group = last.group
+                else:
+                    node.group = _Group(node)
+                    node.group.prev, last.group.next = last.group, node.group
+            up.tail = node
             nodes.append(node)
+        for k, s, e in zip(ep_node.tolist(), ep_seq.tolist(), ep_end.tolist(), strict=True):
+            nodes[k].endpoints[seq_ids[s]] = e
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -211,3 +244,15 @@ def vllm_speculative_config(config: SpecConfig) -> dict[str, Any]:
     with the responses it serves.
     """
     return {"method": "suffix", **{key: getattr(config, attr) for key, attr in VLLM_KEYS.items()}}
+
+
+def vllm_dropped_settings(meta: dict[str, Any]) -> list[str]:
+    """What a cache (its ``read_meta``) holds that vLLM's suffix method cannot take: offset, tree mode, the tree."""
+    config = SpecConfig(**meta["config"])
+    dropped = [f"offset={config.offset}"] if config.offset != SpecConfig().offset else []
+    dropped += [f"mode={config.mode}"] if config.mode != "path" else []
+    if meta.get("num_responses"):
+        dropped.append(
+            f"the {meta['num_responses']} pre-built responses (vLLM starts with an empty global tree)"
+        )
+    return dropped

@@ -9,6 +9,7 @@ both and the one with the higher score (expected accepted tokens) wins, as in th
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import Literal
@@ -39,7 +40,12 @@ class SpecConfig(BaseModel):
 
 
 class SuffixCache:
-    """Global + per-request suffix trees with the speculation rule of SuffixDecoding."""
+    """Global + per-request suffix trees with the speculation rule of SuffixDecoding.
+
+    As in the reference (arctic-inference's ``SuffixDecodingCache``), a live request's response enters the
+    global tree token by token, so other requests (and this one) can draft from it at once; the oldest
+    responses are evicted past ``max_cached_requests``, counting the live ones.
+    """
 
     def __init__(self, config: SpecConfig | None = None, global_tree: SuffixTree | None = None) -> None:
         self.config = config or SpecConfig()
@@ -51,19 +57,30 @@ class SuffixCache:
             )
         self._fifo: deque[int] = deque(sorted(self.global_tree.seqs))
         self._ids = itertools.count(max(self.global_tree.seqs, default=-1) + 1)
-        self._requests: dict[int, SuffixTree] = {}
+        self._requests: dict[int, tuple[SuffixTree, int | None]] = {}
+        self._live: dict[int, int] = {}  # global sequence id -> live request id
 
     # ---- global tree ----------------------------------------------------------------------------------
 
-    def add_response(self, tokens: Sequence[int]) -> int:
-        """Insert a finished response into the global tree (evicting the oldest past the limit); its id."""
-        seq_id = next(self._ids)
+    def _new_response(self) -> int | None:
+        """A fresh global sequence id (evicting the oldest responses past the limit); None when caching is off."""
         if self.config.max_cached_requests == 0:
-            return seq_id
+            return None
         while len(self._fifo) >= self.config.max_cached_requests:
-            self.global_tree.remove(self._fifo.popleft())
-        self.global_tree.add(seq_id, tokens)
+            old = self._fifo.popleft()
+            if old in self.global_tree.seqs:
+                self.global_tree.remove(old)
+            if (request_id := self._live.pop(old, None)) is not None:  # a live request's response
+                self._requests[request_id] = (self._requests[request_id][0], None)
+        seq_id = next(self._ids)
         self._fifo.append(seq_id)
+        return seq_id
+
+    def add_response(self, tokens: Sequence[int]) -> int | None:
+        """Insert a finished response into the global tree; its id (None when caching is off)."""
+        seq_id = self._new_response()
+        if seq_id is not None:
+            self.global_tree.add(seq_id, tokens)
         return seq_id
 
     @property
@@ -75,20 +92,34 @@ class SuffixCache:
     def start_request(self, request_id: int, prompt: Sequence[int]) -> None:
         tree = SuffixTree(self.config.max_depth)
         tree.extend(0, prompt)
-        self._requests[request_id] = tree
+        seq_id = self._new_response()
+        self._requests[request_id] = (tree, seq_id)
+        if seq_id is not None:
+            self._live[seq_id] = request_id
 
     def append(self, request_id: int, tokens: Sequence[int]) -> None:
-        """Record newly generated tokens of a live request."""
-        self._requests[request_id].extend(0, tokens)
+        """Record newly generated tokens of a live request (in its tree and in the global tree)."""
+        tree, seq_id = self._requests[request_id]
+        tree.extend(0, tokens)
+        if seq_id is not None:
+            self.global_tree.extend(seq_id, tokens)
 
-    def finish_request(self, request_id: int, response: Sequence[int]) -> None:
-        """Drop the request's tree and cache its response globally."""
-        del self._requests[request_id]
-        self.add_response(response)
+    def finish_request(self, request_id: int) -> None:
+        """Drop the request's tree; its response stays in the global tree."""
+        _, seq_id = self._requests.pop(request_id)
+        if seq_id is not None:
+            self._live.pop(seq_id)
+            self.global_tree.close(seq_id)
 
     def speculate(self, request_id: int, context: Sequence[int]) -> Draft:
-        """The higher-scoring draft of the request tree and the global tree for ``context``'s tail."""
+        """The higher-scoring draft of the request tree and the global tree for ``context``'s tail.
+
+        Match lengths run up to ``max_depth - 1``; in the request tree they come from its active nodes in
+        O(1) when ``context`` ends with the request's own tokens (the usual case), else from walks.
+        """
         cfg = self.config
+        tree, _ = self._requests[request_id]
+        ctx = array("i", context[-cfg.max_depth :])
         kwargs = dict(
             max_spec=cfg.max_spec,
             factor=cfg.factor,
@@ -96,6 +127,11 @@ class SuffixCache:
             min_token_prob=cfg.min_token_prob,
             tree=cfg.mode == "tree",
         )
-        local = self._requests[request_id].speculate(context, **kwargs)
-        glob = self.global_tree.speculate(context, **kwargs)
-        return glob if glob.score > local.score else local
+        seq = tree.seqs.get(0)
+        if seq is not None and len(seq) >= len(ctx) and seq[len(seq) - len(ctx) :] == ctx:
+            positions = tree.active_positions(0)[: len(ctx) - 1]
+        else:
+            positions = tree.match_positions(ctx)
+        local = tree.best_draft(positions, **kwargs)
+        glob = self.global_tree.best_draft(self.global_tree.match_positions(ctx), **kwargs)
+        return local if local.score >= glob.score else glob

@@ -124,6 +124,21 @@ def _accept(draft: Draft, predicted: list[int], n_pending: int) -> list[int]:
         node, want = nxt, predicted[n_pending + nxt]
 
 
+def check_no_sliding_window(config) -> None:
+    """Refuse configs with sliding-window attention layers, naming the setting (ValueError)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types if layer_types else window is not None
+    if window is not None and sliding:
+        raise ValueError(
+            f"{type(cfg).__name__} has sliding_window={window}: suffix decoding cannot roll back a "
+            "sliding-window cache (DynamicCache cannot crop past the window) and its tree masks would see "
+            "the whole cache; to resolve, set sliding_window=None if the model's contexts fit the window, "
+            "or decode this model without suffix drafts"
+        )
+
+
 def eos_ids(model) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -140,9 +155,13 @@ def speculative_generate(
 ) -> GenerationStats:
     """Greedy generation (batch 1) with drafts from ``suffix_cache``; None = plain greedy in the same loop.
 
-    The response is added to the cache's global tree when generation ends.
+    The response enters the cache's global tree as it is generated.  Models with sliding-window attention
+    are refused (ValueError): DynamicCache's sliding layers cannot ``crop`` back past the window, and the
+    tree mask would let draft tokens see the whole cache instead of the window.
     """
     from transformers import DynamicCache
+
+    check_no_sliding_window(model.config)
 
     eos = eos_ids(model) if eos_token_ids is None else eos_token_ids
     device = model.device
@@ -155,7 +174,8 @@ def speculative_generate(
     stats.tokens.append(first)
     if suffix_cache is not None:
         t0 = time.perf_counter()
-        suffix_cache.start_request(request_id, prompt + [first])
+        suffix_cache.start_request(request_id, prompt)
+        suffix_cache.append(request_id, [first])
         stats.append_s += time.perf_counter() - t0
         stats.appended += len(prompt) + 1
     n_cached, pending = len(prompt), [first]
@@ -200,8 +220,5 @@ def speculative_generate(
             stats.append_s += time.perf_counter() - t0
             stats.appended += len(new)
     if suffix_cache is not None:
-        t0 = time.perf_counter()
-        suffix_cache.finish_request(request_id, stats.tokens)
-        stats.append_s += time.perf_counter() - t0
-        stats.appended += len(stats.tokens)
+        suffix_cache.finish_request(request_id)
     return stats
