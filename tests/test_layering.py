@@ -25,10 +25,6 @@ ALLOWED = {
 OURS = {*LIBRARY, "scripts", "tests"}
 ENV_NAME = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+$")
 HOOK_WORDS = {"KILL", "FAULT", "FAULTS", "TEST", "TESTS", "TESTING"}
-# known offenders, left to their owners; strict, so the mark must go once the hook is gone
-KNOWN_HOOKS = {
-    "distill/scar/faults.py": "SWIFTKV_SCAR_KILL_AT fault point (os._exit) called from distill/scar/store.py",
-}
 
 
 def python_files(*rooms: str) -> list[Path]:
@@ -125,14 +121,6 @@ def test_hook_rule_catches_the_old_kill_hook(tmp_path):
 LIBRARY_FILES = [str(p.relative_to(ROOT)) for p in python_files(*LIBRARY)]
 
 
-@pytest.mark.parametrize(
-    "rel",
-    [
-        pytest.param(rel, marks=pytest.mark.xfail(strict=True, reason=KNOWN_HOOKS[rel]))
-        if rel in KNOWN_HOOKS
-        else rel
-        for rel in LIBRARY_FILES
-    ],
-)
+@pytest.mark.parametrize("rel", LIBRARY_FILES)
 def test_library_holds_no_test_hooks(rel):
     assert hooks_in(ROOT / rel) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import torch
 
 from distill.scar.blocks import make_blocks
 from distill.scar.config import ScarConfig
-from distill.scar.faults import KILL_ENV, damage_blocks, pick_blocks, truncate_file
+from distill.scar.faults import damage_blocks, pick_blocks, truncate_file
 from distill.scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
 from distill.scar.store import CorruptBlockError
 
@@ -42,9 +43,10 @@ def snapshot(model, opt) -> tuple[dict, dict]:
 
 
 CRASH_SCRIPT = """
-import sys, torch
+import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
 from test_scar import tiny_model, train_steps
+from distill.scar import running
 from distill.scar.config import ScarConfig
 from distill.scar.running import RunningCheckpoint
 model = tiny_model()
@@ -55,16 +57,26 @@ ckpt.save(0)
 torch.save({{k: v.detach().clone() for k, v in model.named_parameters()}}, {root!r} + "/v0.pt")
 train_steps(model, opt, 3, seed=2)
 torch.save({{k: v.detach().clone() for k, v in model.named_parameters()}}, {root!r} + "/v1.pt")
-import os; os.environ[{env!r}] = {kill!r}
+# the test's fault injection: SIGKILL this process right after the n-th write of the given kind
+point, n = {kill!r}.split(":")
+name = {{"block_written": "write_block", "manifest_written": "write_manifest"}}[point]
+real, hits = getattr(running, name), []
+def write_then_die(*args, **kwargs):
+    out = real(*args, **kwargs)
+    hits.append(1)
+    if len(hits) == int(n):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+setattr(running, name, write_then_die)
 ckpt.save(1)
 """
 
 
 @pytest.mark.parametrize("kill,expect", [("block_written:2", "v0.pt"), ("manifest_written:1", "v1.pt")])
 def test_writer_killed_mid_save_leaves_a_loadable_state(tmp_path, kill, expect):
-    script = CRASH_SCRIPT.format(tests=os.path.dirname(__file__), root=str(tmp_path), env=KILL_ENV, kill=kill)
+    script = CRASH_SCRIPT.format(tests=os.path.dirname(__file__), root=str(tmp_path), kill=kill)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True)
-    assert proc.returncode == 17, proc.stderr
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     model = tiny_model(seed=5)
     ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), ScarConfig(fraction=1, every_steps=1))
     assert ckpt.detect_corrupt() == set()

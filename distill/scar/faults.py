@@ -1,9 +1,5 @@
-"""Fault injection for tests and benchmarks: kill a process (or the writer itself at a named point of a
-save), zero or perturb a random subset of parameter blocks, truncate a checkpoint file.
-
-``SWIFTKV_SCAR_KILL_AT=<point>:<n>`` makes the process hard-exit (status 17, no cleanup, like a lost rank)
-the n-th time it reaches ``<point>``; the points are ``block_written`` and ``manifest_written``.
-"""
+"""Fault injection for benchmarks and tests, applied from outside the code under test: kill a process, zero
+or perturb a random subset of parameter blocks, truncate a checkpoint file."""
 
 from __future__ import annotations
 
@@ -15,22 +11,6 @@ from pathlib import Path
 import torch
 
 from .blocks import Block
-
-KILL_ENV = "SWIFTKV_SCAR_KILL_AT"
-_hits: dict[str, int] = {}
-
-
-def fault_point(name: str) -> None:
-    """Die here if ``SWIFTKV_SCAR_KILL_AT`` asks for it (no-op otherwise)."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    point, _, count = spec.partition(":")
-    if point != name:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] >= int(count or 1):
-        os._exit(17)
 
 
 def kill_process(pid: int, sig: int = signal.SIGKILL) -> None:

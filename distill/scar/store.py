@@ -19,8 +19,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from . import faults
-
 FORMAT = "scar-running-checkpoint/2"  # 2: byte budget credit
 MANIFEST = "manifest.json"
 
@@ -48,7 +46,6 @@ def write_block(folder: Path, filename: str, payload: dict[str, torch.Tensor]) -
     """Serialize one block; return its manifest entry (file, sha256, bytes)."""
     data = st_save(payload)
     write_atomic(folder / filename, data)
-    faults.fault_point("block_written")
     return {"file": filename, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -79,7 +76,6 @@ def read_manifest(folder: Path) -> dict | None:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     write_atomic(folder / MANIFEST, json.dumps({"format": FORMAT, **manifest}, indent=1).encode())
-    faults.fault_point("manifest_written")
 
 
 def remove_unreferenced(folder: Path, manifest: dict | None) -> None:
