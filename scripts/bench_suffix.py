@@ -1,7 +1,12 @@
 """Benchmark SuffixDecoding against plain greedy and transformers' prompt-lookup decoding (batch 1, CPU).
 
 Workloads: ``agentic-refine`` (the model revises its own previous answer, round after round: the case
-SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  Every request runs every method,
+SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  ``streams`` times the cache alone
+on synthetic repetitive token streams (no model), side by side with the C++ reference (arctic-inference
+0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or SUFFIX_REFERENCE_PATH
+names the folder holding ``arctic_inference/``; its column is skipped when absent): both caches see the
+same streams (a draft's tokens are accepted while they equal the stream, plus one), in interleaved repeats,
+medians reported, and bytes per cached token from the global tree.  Every request runs every method,
 in an order rotated per request (interleaved A/B), and all methods must produce the same greedy tokens.
 The suffix caches persist across requests, so the global tree holds earlier responses, as in serving.
 
@@ -10,7 +15,10 @@ The suffix caches persist across requests, so the global tree holds earlier resp
 
 from __future__ import annotations
 
+import os
+import random
 import statistics
+import sys
 import time
 
 import torch
@@ -70,7 +78,109 @@ def sharegpt_prompts(tok, n: int, skip: int) -> list[list[int]]:
     return prompts
 
 
+def synthetic_streams(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) pairs: a 40-token motif repeated, 5% of tokens replaced (copy-heavy, as agentic loops)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(32000) for _ in range(40)]
+        prompt = [t if rng.random() > 0.05 else rng.randrange(32000) for t in motif * 5]
+        response = [t if rng.random() > 0.05 else rng.randrange(32000) for t in (motif * 8)[:300]]
+        out.append((prompt, response))
+    return out
+
+
+def drive(cache, streams, reference: bool) -> dict:
+    """Replay the streams through one cache; per-operation times and the drafts' acceptance."""
+    cfg = SpecConfig()
+    t_spec = t_app = t_prompt = 0.0
+    steps = appended = prompt_tokens = emitted = 0
+    for r, (prompt, response) in enumerate(streams):
+        t0 = time.perf_counter()
+        cache.start_request(r, prompt)
+        t_prompt += time.perf_counter() - t0
+        prompt_tokens += len(prompt)
+        ctx, i = list(prompt), 0
+        while i < len(response):
+            t0 = time.perf_counter()
+            if reference:
+                draft = cache.speculate(
+                    r, ctx, cfg.max_spec, cfg.factor, cfg.offset, cfg.min_token_prob, False
+                )
+                tokens = draft.token_ids
+            else:
+                tokens = cache.speculate(r, ctx).tokens
+            t_spec += time.perf_counter() - t0
+            k = 0
+            while k < len(tokens) and i + k < len(response) and tokens[k] == response[i + k]:
+                k += 1
+            new = response[i : i + k + 1]
+            t0 = time.perf_counter()
+            cache.add_active_response(r, new) if reference else cache.append(r, new)
+            t_app += time.perf_counter() - t0
+            steps, appended, emitted = steps + 1, appended + len(new), emitted + len(new)
+            ctx += new
+            i += len(new)
+        cache.stop_request(r) if reference else cache.finish_request(r)
+    return {
+        "steps": steps,
+        "tokens_per_step": emitted / steps,
+        "us_per_speculate": 1e6 * t_spec / steps,
+        "us_per_appended_token": 1e6 * t_app / appended,
+        "us_per_prompt_token": 1e6 * t_prompt / prompt_tokens,
+    }
+
+
+def reference_cache_class(path: str | None):
+    """arctic-inference's SuffixDecodingCache from ``path`` (a folder holding arctic_inference/), or None."""
+    if not path:
+        return None
+    sys.path.insert(0, path)
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as e:
+        print(f"reference not importable from {path} ({e}); its column is skipped", file=sys.stderr)
+        return None
+    finally:
+        sys.path.remove(path)
+    return SuffixDecodingCache
+
+
+def measure_streams(args) -> dict:
+    """Cache-only timings on synthetic streams, ours vs the reference, interleaved; medians of the repeats."""
+    streams = synthetic_streams(args.streams)
+    ref_cls = reference_cache_class(args.reference)
+    runs: dict[str, list[dict]] = {"python": [], "reference": []}
+    memory = {}
+    for _ in range(args.repeats):
+        cache = SuffixCache(SpecConfig())
+        runs["python"].append(drive(cache, streams, False))
+        n_tokens = sum(map(len, cache.global_tree.seqs.values()))
+        memory["python"] = cache.global_tree.nbytes() / n_tokens
+        if ref_cls is not None:
+            ref = ref_cls(SpecConfig().max_depth, SpecConfig().max_cached_requests)
+            runs["reference"].append(drive(ref, streams, True))
+            memory["reference"] = ref._global_tree.estimate_memory() / n_tokens
+    out = {}
+    for name, rows in runs.items():
+        if rows:
+            out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            out[name]["bytes_per_cached_token"] = memory[name]
+    if "reference" in out:
+        out["ratio_vs_reference"] = {
+            k: out["python"][k] / out["reference"][k]
+            for k in ("us_per_speculate", "us_per_appended_token", "us_per_prompt_token")
+        }
+        out["same_step_count"] = out["python"]["steps"] == out["reference"]["steps"]
+    return out
+
+
 def measure(args) -> dict:
+    results = {}
+    if args.workload in ("streams", "all"):
+        results["streams"] = measure_streams(args)
+    if args.workload == "streams":
+        return results
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -78,8 +188,7 @@ def measure(args) -> dict:
     model.generate(
         torch.tensor([chat_ids(tok, [{"role": "user", "content": "Hi"}])]), max_new_tokens=4, do_sample=False
     )
-    results = {}
-    workloads = ["agentic-refine", "sharegpt"] if args.workload == "both" else [args.workload]
+    workloads = ["agentic-refine", "sharegpt"] if args.workload in ("both", "all") else [args.workload]
     for workload in workloads:
         caches = {}
         for method in ("suffix-path", "suffix-tree"):
@@ -157,9 +266,29 @@ def measure(args) -> dict:
     return results
 
 
+def print_streams(res: dict) -> None:
+    keys = ["us_per_speculate", "us_per_appended_token", "us_per_prompt_token", "bytes_per_cached_token"]
+    print(
+        f"\n{'cache':10} {'steps':>6} {'tok/step':>8} {'spec us':>8} {'append us':>9} {'prompt us':>9} {'B/token':>8}"
+    )
+    for name in ("python", "reference"):
+        if name in res:
+            r = res[name]
+            print(
+                f"{name:10} {r['steps']:6d} {r['tokens_per_step']:8.2f} "
+                + " ".join(f"{r[k]:9.2f}" for k in keys)
+            )
+    if "ratio_vs_reference" in res:
+        print("ratio     ", " ".join(f"{k}={v:.2f}x" for k, v in res["ratio_vs_reference"].items()))
+
+
 def print_table(results: dict) -> None:
+    if "streams" in results:
+        print_streams(results["streams"])
     print(f"\n{'workload':15} {'method':14} {'tok/s':>7} {'tok/step':>9} {'speedup':>8} {'median':>7}")
     for workload, res in results.items():
+        if workload == "streams":
+            continue
         for m, r in res["methods"].items():
             print(
                 f"{workload:15} {m:14} {r['tokens_per_s']:7.2f} {r['tokens_per_step']:9.2f} "
@@ -179,7 +308,16 @@ def build_parser() -> ArgumentParser:
         "  python scripts/bench_suffix.py DIR --workload sharegpt --cache out/suffix-cache --limit 4",
     )
     add_model(p)
-    p.add_argument("--workload", choices=["agentic-refine", "sharegpt", "both"], default="both")
+    p.add_argument(
+        "--workload", choices=["agentic-refine", "sharegpt", "both", "streams", "all"], default="all"
+    )
+    p.add_argument(
+        "--reference",
+        default=os.environ.get("SUFFIX_REFERENCE_PATH"),
+        help="folder holding the built arctic_inference/ package (default: $SUFFIX_REFERENCE_PATH)",
+    )
+    p.add_argument("--streams", type=int, default=50, help="synthetic requests for the streams workload")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the streams workload")
     p.add_argument(
         "--cache",
         type=existing_path,

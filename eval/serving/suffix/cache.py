@@ -111,14 +111,31 @@ class SuffixCache:
             self._live.pop(seq_id)
             self.global_tree.close(seq_id)
 
+    @staticmethod
+    def _positions(tree: SuffixTree, seq_id: int, ctx: array) -> list:
+        """Match positions of ``ctx``'s tails (lengths 1 .. len(ctx) - 1) using open sequence ``seq_id``'s
+        active nodes for the tails it ends with; [] when ``seq_id`` does not end with ``ctx``'s last token."""
+        seq = tree.seqs.get(seq_id)
+        if seq is None or seq_id not in tree._active or not seq or seq[-1] != ctx[-1]:
+            return []
+        n = min(len(seq), len(ctx))
+        if seq[len(seq) - n :] != ctx[len(ctx) - n :]:
+            return []
+        positions = tree.active_positions(seq_id)[: min(n, len(ctx) - 1)]
+        if n == len(seq) and n < len(ctx) - 1:  # tails reaching back past the sequence's start: walk them
+            positions += tree.match_positions(ctx, start=n + 1)
+        return positions
+
     def speculate(self, request_id: int, context: Sequence[int]) -> Draft:
         """The higher-scoring draft of the request tree and the global tree for ``context``'s tail.
 
-        Match lengths run up to ``max_depth - 1``; in the request tree they come from its active nodes in
-        O(1) when ``context`` ends with the request's own tokens (the usual case), else from walks.
+        Match lengths run up to ``max_depth - 1``.  Match positions come from active nodes in O(1) each
+        when ``context`` ends with the request's own tokens (the usual case): the request tree's for every
+        length, the global tree's (which holds the live response) for lengths within the response so far;
+        only longer ones are walked from the root.
         """
         cfg = self.config
-        tree, _ = self._requests[request_id]
+        tree, seq_id = self._requests[request_id]
         ctx = array("i", context[-cfg.max_depth :])
         kwargs = dict(
             max_spec=cfg.max_spec,
@@ -127,11 +144,8 @@ class SuffixCache:
             min_token_prob=cfg.min_token_prob,
             tree=cfg.mode == "tree",
         )
-        seq = tree.seqs.get(0)
-        if seq is not None and len(seq) >= len(ctx) and seq[len(seq) - len(ctx) :] == ctx:
-            positions = tree.active_positions(0)[: len(ctx) - 1]
-        else:
-            positions = tree.match_positions(ctx)
+        positions = self._positions(tree, 0, ctx)
+        glob_positions = self._positions(self.global_tree, seq_id, ctx) if seq_id is not None else []
         local = tree.best_draft(positions, **kwargs)
-        glob = self.global_tree.best_draft(self.global_tree.match_positions(ctx), **kwargs)
+        glob = self.global_tree.best_draft(glob_positions or self.global_tree.match_positions(ctx), **kwargs)
         return local if local.score >= glob.score else glob

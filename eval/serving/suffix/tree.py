@@ -20,6 +20,7 @@ implementation), so drafts are the same token for token:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from array import array
@@ -271,6 +272,19 @@ class Draft:
 Position = tuple[_Node, int]
 
 
+@functools.lru_cache(maxsize=256)
+def _search_order(
+    n: int, max_depth: int, max_spec: int, factor: float, offset: float
+) -> tuple[tuple[int, int, int], ...]:
+    """(upper bound, match length, budget) for match lengths 1..n, most promising first (longer on ties)."""
+    factor, offset = f32(factor), f32(offset)
+    rows = []
+    for p in range(1, n + 1):
+        budget = max(0, min(max_spec, int(f32(f32(p * factor) + offset) + 1e-6)))
+        rows.append((min(budget, max(max_depth - p, 0)), p, budget))
+    return tuple(sorted(rows, reverse=True))
+
+
 class SuffixTree:
     """Suffix tree of token sequences, each suffix truncated to ``max_depth`` tokens.
 
@@ -444,12 +458,13 @@ class SuffixTree:
                 offset = 1
         return node, offset
 
-    def match_positions(self, context: Sequence[int]) -> list[Position]:
-        """Positions of the context's tails of length 1, 2, ... while they occur (a walk from the root each)."""
+    def match_positions(self, context: Sequence[int], start: int = 1) -> list[Position]:
+        """Positions of the context's tails of length start, start + 1, ... < len(context) while they occur
+        (a walk from the root each)."""
         ctx = context if isinstance(context, array) else array("i", context)
         n, out = len(ctx), []
         children = self.root.children
-        for p in range(1, n):
+        for p in range(start, n):
             i = n - p
             node = children.get(ctx[i])
             if node is None:
@@ -527,6 +542,30 @@ class SuffixTree:
         draft.score = score
         return draft
 
+    @staticmethod
+    def _path_score(node: _Node, offset: int, max_tokens: int, min_prob: float) -> float:
+        """The score :meth:`speculate_path` would give (float32, same order of additions), without the draft."""
+        score, prob, n = 0.0, 1.0, 0
+        while n < max_tokens and prob >= min_prob:
+            rest = node.length - offset
+            if rest > 0:
+                k = min(rest, max_tokens - n)
+                if prob == 1.0:  # every earlier token had probability 1 too: score is a small integer
+                    score += k
+                else:
+                    for _ in range(k):
+                        _F32[0] = score + prob
+                        score = _F32[0]
+                n += k
+                offset += k
+            else:
+                child = node.head
+                if child is None:
+                    break
+                prob = f32(prob * f32(child.count / node.count))
+                node, offset = child, 0
+        return score
+
     def best_draft(
         self,
         positions: list[Position],
@@ -536,23 +575,32 @@ class SuffixTree:
         min_token_prob: float = 0.1,
         tree: bool = False,
     ) -> Draft:
-        """Best draft over match positions for lengths 1, 2, ...; ties go to the longer match.
+        """Best draft over match positions for lengths 1, 2, ...: the highest score, ties to the longer match.
 
-        Budget per match length p: min(max_spec, int(factor * p + offset)).  A match length whose budget or
-        remaining tree depth cannot beat the best score so far is skipped (the result is unchanged).
+        Budget per match length p: min(max_spec, int(factor * p + offset)).  Lengths are tried in order of
+        their upper bound min(budget, max_depth - p) (a draft can neither exceed its budget nor the tree's
+        depth), and the search stops once no remaining length can beat the best; the result is the one of
+        trying every length in turn.  Path drafts are scored first and only the winner is built.
         """
-        best = Draft()
-        fn = self.speculate_tree if tree else self.speculate_path
-        factor, offset = f32(factor), f32(offset)
-        for p, (node, off) in enumerate(positions, 1):
-            budget = max(0, min(max_spec, int(f32(f32(p * factor) + offset) + 1e-6)))
-            if min(budget, self.max_depth - p) < best.score:
-                continue
-            draft = fn(node, off, budget, min_token_prob)
-            if draft.score >= best.score:
-                draft.match_len = p
-                best = draft
-        return best
+        best_score, best_p, best_draft = -1.0, 0, None
+        min_prob = f32(min_token_prob)
+        for bound, p, budget in _search_order(len(positions), self.max_depth, max_spec, factor, offset):
+            if bound < best_score or (bound == best_score and p < best_p):
+                break
+            node, off = positions[p - 1]
+            if tree:
+                draft = self.speculate_tree(node, off, budget, min_prob)
+                score = draft.score
+            else:
+                score = self._path_score(node, off, budget, min_prob)
+            if score > best_score or (score == best_score and p > best_p):
+                best_score, best_p, best_draft = score, p, (draft if tree else (node, off, budget))
+        if best_draft is None:
+            return Draft()
+        if not tree:
+            best_draft = self.speculate_path(*best_draft, min_prob)
+        best_draft.match_len = best_p
+        return best_draft
 
     def speculate(
         self,
