@@ -71,7 +71,8 @@ def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
         ) from None
 
 
-def _model_config(recipe: Recipe, path: Path | None) -> dict:
+def model_config_of(recipe: Recipe, path: Path | None) -> dict:
+    """The model's config.json: ``path`` when given, else the one in ``model.source`` (never any weights)."""
     if path is None:
         source = Path(recipe.model.source)
         if not (source / "config.json").is_file():
@@ -225,6 +226,12 @@ def plan(recipe: Recipe, config: dict, par: Parallel) -> dict:
     }
 
 
+def peak_gb(p: dict) -> float:
+    """Per-GPU peak of a plan (GB): training, or the least-squares init before it if that is larger."""
+    training = sum(sum(p[k].values()) for k in ("model states", "activations", "communication"))
+    return max(training, sum(p["lstsq init"].values())) / GB
+
+
 def _zero(par: Parallel) -> str:
     if par.stage == 0:
         return "DDP" if par.processes > 1 else "no DeepSpeed"
@@ -260,10 +267,9 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
     off, on = (p["activations total"][c] / GB for c in (False, True))
     lines.append(f"  (activations without checkpointing {off:.2f}, with {on:.2f})")
     lines.append(f"  {'training peak':<40} {total:8.2f}")
-    peak = total
+    peak = peak_gb(p)
     if p["lstsq init"]:
         init = sum(p["lstsq init"].values()) / GB
-        peak = max(peak, init)
         lines.append(f"  {'least-squares init (before training)':<40} {init:8.2f}")
         lines += [f"    {name:<38} {v / GB:8.2f}" for name, v in p["lstsq init"].items()]
     budget = gpu_memory * (1 - RESERVE)
@@ -277,7 +283,7 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
 
 def check(args) -> None:
     recipe = load_recipe_or_usage(args.recipe, args.overrides)
-    config = _model_config(recipe, args.model_config)
+    config = model_config_of(recipe, args.model_config)
     par = parallel_plan(args.config)
     max_pos = config.get("max_position_embeddings")
     if max_pos is not None and recipe.data.seq_len > max_pos:

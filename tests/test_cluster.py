@@ -30,7 +30,12 @@ def random_jobs(rng: np.random.Generator, n: int) -> list[JobState]:
     jobs = []
     for k in range(n):
         s = JobState(
-            Job(name=f"j{k}", max_gpus=int(rng.choice([2, 4])), restart_s=float(rng.uniform(10, 60)))
+            Job(
+                activation_gb=4.0,
+                name=f"j{k}",
+                max_gpus=int(rng.choice([2, 4])),
+                restart_s=float(rng.uniform(10, 60)),
+            )
         )
         for t in ("fast", "slow"):
             s.model.observe(Config(t, 1, 1), float(rng.uniform(1, 10)))
@@ -113,7 +118,7 @@ def test_certified_lp_and_fix_gap_bounds_the_true_gap(seed):
     )
     rng, jobs = np.random.default_rng(seed), []
     for k in range(30):  # concave measured scaling on every configuration: fractional LP vertices
-        s = JobState(Job(name=f"j{k}", max_gpus=8))
+        s = JobState(Job(activation_gb=4.0, name=f"j{k}", max_gpus=8))
         for c in cluster_configs(cluster):
             if c.gpus <= 8:
                 s.model.observe(c, float(rng.uniform(1, 3) * c.gpus ** rng.uniform(0.5, 0.95)))
@@ -128,8 +133,13 @@ def test_certified_lp_and_fix_gap_bounds_the_true_gap(seed):
 
 
 def test_restart_factor_only_off_the_current_configuration():
-    s = JobState(Job(name="run", restart_s=30.0), age_s=300.0, restarts=2, current=Config("fast", 1, 2))
-    q = JobState(Job(name="queued", restart_s=30.0), age_s=300.0, restarts=2)
+    s = JobState(
+        Job(activation_gb=4.0, name="run", restart_s=30.0),
+        age_s=300.0,
+        restarts=2,
+        current=Config("fast", 1, 2),
+    )
+    q = JobState(Job(activation_gb=4.0, name="queued", restart_s=30.0), age_s=300.0, restarts=2)
     for st in (s, q):
         st.model.observe(Config("fast", 1, 1), 4.0)
         st.model.observe(Config("fast", 1, 2), 7.0)
@@ -148,7 +158,7 @@ def test_restart_factor_only_off_the_current_configuration():
 
 
 def test_everyone_allocated_when_there_is_room():
-    jobs = [JobState(Job(name=f"j{k}", max_gpus=1)) for k in range(3)]
+    jobs = [JobState(Job(activation_gb=4.0, name=f"j{k}", max_gpus=1)) for k in range(3)]
     for s in jobs:
         s.model.observe(Config("fast", 1, 1), 1.0)
     problem = goodput_matrix(jobs, TINY)
@@ -188,7 +198,10 @@ def test_placer_keeps_unchanged_jobs_and_repacks_when_fragmented():
 
 
 def test_zero_stage_grows_with_model_size():
-    small, big = Job(name="s", student_params_b=0.1), Job(name="b", student_params_b=4.0)
+    small, big = (
+        Job(activation_gb=4.0, name="s", student_params_b=0.1),
+        Job(activation_gb=4.0, name="b", student_params_b=4.0),
+    )
     assert zero_stage(small, 1, 24) == 0
     assert zero_stage(big, 1, 24) is None
     assert zero_stage(big, 8, 24) == 2  # 2 + 14·4/8 + 4 = 19 GB <= 0.9·24
@@ -210,19 +223,19 @@ def test_input_errors_are_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text("gpu_types:\n  - {name: x, nodes: 1, gpus_per_node: 4, memory_gb: 16}\n")
     cluster = load_cluster(tmp_path / "c.yaml")
     (tmp_path / "j.yaml").write_text(
-        "jobs:\n  - {name: j, observed: [{gpu_type: y, gpus: 1, throughput: 1}]}\n"
+        "jobs:\n  - {name: j, activation_gb: 4, observed: [{gpu_type: y, gpus: 1, throughput: 1}]}\n"
     )
     with pytest.raises(ValueError, match="not in the cluster"):
         load_jobs(tmp_path / "j.yaml", cluster)
     (tmp_path / "j.yaml").write_text(
-        "jobs:\n  - {name: a, current: {gpu_type: x, gpus: {0: [0, 1]}}}\n"
-        "  - {name: b, current: {gpu_type: x, gpus: {0: [1]}}}\n"
+        "jobs:\n  - {name: a, activation_gb: 4, current: {gpu_type: x, gpus: {0: [0, 1]}}}\n"
+        "  - {name: b, activation_gb: 4, current: {gpu_type: x, gpus: {0: [1]}}}\n"
     )
     with pytest.raises(ValueError, match="also used by 'a'"):
         load_jobs(tmp_path / "j.yaml", cluster)
     from distill.cluster.plan import job_state
 
     with pytest.raises(ValueError, match="fits no configuration"):
-        job_state(Job(name="huge", student_params_b=70.0), cluster)
+        job_state(Job(activation_gb=4.0, name="huge", student_params_b=70.0), cluster)
     with pytest.raises(ValueError, match="not a configuration"):
         config_for(cluster, "x", 3)

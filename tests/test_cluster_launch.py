@@ -79,7 +79,6 @@ def test_a_planned_zero3_job_launches_and_trains(tiny_chat_model, chat_data, tmp
         "recipe": str(_tiny_recipe(tmp_path, tiny_chat_model, chat_data)),
         "student_params_b": 0.1,
         "teacher_params_b": 0.5,
-        "activation_gb": 0.0,
         "mixed_precision": "no",
         "max_gpus": 2,
         "observed": [
@@ -134,3 +133,27 @@ def test_every_reallocation_costs_a_restart_and_new_baselines_run():
     trace = generate_trace(MIXED, num_jobs=12, hours=1.0, seed=1)
     for policy in ("pollux", "gavel-tuned"):
         assert not simulate(MIXED, trace, policy, 60.0).unfinished
+
+
+def test_recipe_jobs_fit_by_the_distill_check_estimate():
+    """A job with a recipe fits where `distill check` says it fits: the 8B recipe at seq 8192 does not fit
+    16 GB GPUs at any ZeRO stage (a fixed 4 GB for activations once let the planner put it there)."""
+    from distill.check import load_recipe_or_usage, model_config_of, peak_gb, plan
+    from distill.cluster.configs import memory_per_gpu_gb
+    from distill.memory import Parallel
+
+    recipe, config = (
+        ROOT / "recipes" / "swiftkv_llama3.1_8b.yaml",
+        "recipes/model_configs/llama3.1_8b/config.json",
+    )
+    job = Job(name="8b", recipe=str(recipe), config_json=str(ROOT / config), mixed_precision="fp16")
+    loaded = load_recipe_or_usage(recipe, [])
+    expected = peak_gb(plan(loaded, model_config_of(loaded, ROOT / config), Parallel(processes=8, stage=2)))
+    assert memory_per_gpu_gb(job, 8, 2) == pytest.approx(expected) and 20 < expected < 72
+    small = Cluster.model_validate(
+        {"gpu_types": [{"name": "t4", "nodes": 2, "gpus_per_node": 4, "memory_gb": 16}]}
+    )
+    assert job_configs(job, small) == []
+    assert {c.gpus for c in job_configs(job, MIXED)} >= {1, 8}  # 80 GB GPUs hold it
+    with pytest.raises(ValueError, match="neither a recipe"):
+        Job(name="nothing")

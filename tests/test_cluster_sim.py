@@ -95,6 +95,7 @@ def test_cli_plan_launch_configs_and_simulate(tmp_path, capsys):
                 "jobs": [
                     {
                         "name": "wide",
+                        "activation_gb": 4.0,
                         "recipe": "r.yaml",
                         "student_params_b": 1.5,
                         "max_gpus": 8,
@@ -105,7 +106,7 @@ def test_cli_plan_launch_configs_and_simulate(tmp_path, capsys):
                             {"gpu_type": "mid", "gpus": 8, "throughput": 80.0},
                         ],
                     },
-                    {"name": "fresh", "student_params_b": 0.1},
+                    {"name": "fresh", "student_params_b": 0.1, "activation_gb": 4.0},
                 ]
             }
         )

@@ -15,7 +15,9 @@ from distill.memory import Batch, Parallel, Params, activations, lstsq_init, mod
 from distill.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = Path(__file__).parent / "model_configs"  # the published config.json of each GPU recipe's model
+CONFIGS = (
+    Path(__file__).parents[1] / "recipes" / "model_configs"
+)  # the published config.json of each GPU recipe's model
 GPU_RECIPES = {
     "llama3.1_8b": ("swiftkv_llama3.1_8b.yaml", "8gpu_zero2.yaml"),
     "llama3.3_70b": ("swiftkv_llama3.3_70b.yaml", "8gpu_zero3.yaml"),

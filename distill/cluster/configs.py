@@ -10,6 +10,8 @@ what the launch config uses, so planner and launcher agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from .spec import Cluster, GpuType, Job
 
@@ -60,8 +62,27 @@ def config_for(cluster: Cluster, gpu_type: str, gpus: int) -> Config:
     return cfg
 
 
+@lru_cache(maxsize=64)
+def _recipe_and_config(recipe_path: str, config_json: str | None) -> tuple:
+    """The job's recipe and its model's config.json, read once (the same reads as ``distill check``)."""
+    from ..check import load_recipe_or_usage, model_config_of
+
+    recipe = load_recipe_or_usage(Path(recipe_path), [])
+    return recipe, model_config_of(recipe, None if config_json is None else Path(config_json))
+
+
 def memory_per_gpu_gb(job: Job, gpus: int, zero_stage: int) -> float:
-    """Per-GPU memory (GB) of ``job`` on ``gpus`` data-parallel ranks under a ZeRO stage (0-3)."""
+    """Per-GPU memory (GB) of ``job`` on ``gpus`` data-parallel ranks under a ZeRO stage (0-3).
+
+    By default ``distill check``'s plan for the job's recipe, process count and stage (the same number the user
+    sees before launch); with ``activation_gb`` set, model states by bytes per parameter plus that.
+    """
+    if job.activation_gb is None:
+        from ..check import peak_gb, plan
+        from ..memory import Parallel
+
+        recipe, config = _recipe_and_config(job.recipe, job.config_json)
+        return peak_gb(plan(recipe, config, Parallel(processes=gpus, stage=zero_stage)))
     p, t = job.student_params_b, job.teacher_params_b  # billions of params -> GB per byte/param
     if zero_stage == 0:
         model = p * (WEIGHT_B + GRAD_B + OPTIM_B) + t * TEACHER_B

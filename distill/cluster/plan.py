@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .configs import Config, config_for, require_fit, zero_stage
+from .configs import Config, config_for, memory_per_gpu_gb, require_fit, zero_stage
 from .placer import place
 from .sia import sia_policy
 from .spec import Cluster, Job, JobList, Placement
@@ -73,6 +73,7 @@ def plan(cluster: Cluster, jobs: JobList, explore: int = 2, time_limit_s: float 
         if cfg is None or where is None:
             continue
         gpu = cluster.type(cfg.gpu_type)
+        stage = zero_stage(s.job, cfg.gpus, gpu.memory_gb)
         entries.append(
             {
                 "name": s.name,
@@ -84,7 +85,8 @@ def plan(cluster: Cluster, jobs: JobList, explore: int = 2, time_limit_s: float 
                 "nodes": cfg.nodes,
                 "placement": {str(n): idx for n, idx in sorted(where.gpus.items())},
                 "hosts": [gpu.host(n) for n in sorted(where.gpus)],
-                "zero_stage": zero_stage(s.job, cfg.gpus, gpu.memory_gb),
+                "zero_stage": stage,
+                "memory_per_gpu_gb": None if stage is None else memory_per_gpu_gb(s.job, cfg.gpus, stage),
                 "estimated_throughput": None if PROFILE_TAG in s.name else s.model.estimate(cfg),
                 "restart": _moved(previous.get(s.name), where),
                 "profile": PROFILE_TAG in s.name,

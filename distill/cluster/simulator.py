@@ -79,8 +79,18 @@ class SimResult:
         }
 
 
+SYNTHETIC_ACTIVATION_GB = 4.0
+"""Per-GPU activation memory of a synthetic trace job (it has no recipe to estimate from)."""
+
+
 def _job_spec(t: TraceJob) -> Job:
-    return Job(name=t.name, student_params_b=t.student_params_b, max_gpus=t.max_gpus, restart_s=t.restart_s)
+    return Job(
+        name=t.name,
+        student_params_b=t.student_params_b,
+        max_gpus=t.max_gpus,
+        restart_s=t.restart_s,
+        activation_gb=SYNTHETIC_ACTIVATION_GB,
+    )
 
 
 def _profile(state: JobState, trace: TraceJob, cluster: Cluster) -> None:

@@ -126,8 +126,12 @@ class Job(BaseModel):
     """Frozen teacher parameters, billions (0 when teacher and student share weights, as in SwiftKV)."""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """The recipe's ``train.mixed_precision``: a bf16 job only fits GPU types with ``bf16: true``."""
-    activation_gb: float = Field(default=4.0, ge=0)
-    """Per-GPU memory reserved for activations and workspace."""
+    config_json: str | None = None
+    """The recipe's model ``config.json`` when ``model.source`` is not on the planning machine (e.g.
+    ``recipes/model_configs/llama3.1_8b/config.json``)."""
+    activation_gb: float | None = Field(default=None, ge=0)
+    """Unset (the default): the job's per-GPU memory is ``distill check``'s estimate for its recipe.  Set: model
+    states by bytes per parameter plus this much for activations (jobs without a recipe, synthetic traces)."""
     max_gpus: int = Field(default=64, ge=1)
     """Largest useful number of GPUs (global batch / smallest micro-batch)."""
     preemptible: bool = True
@@ -142,6 +146,15 @@ class Job(BaseModel):
     """Where the job runs now, if it runs."""
     observed: list[Observation] = Field(default_factory=list)
     """Measured throughputs: 1-GPU profiles per type plus any larger runs."""
+
+    @model_validator(mode="after")
+    def _memory_source(self) -> Job:
+        if not self.recipe and self.activation_gb is None:
+            raise ValueError(
+                f"job {self.name!r} has neither a recipe (memory from the `distill check` estimate) nor "
+                "activation_gb; to resolve, give its recipe path"
+            )
+        return self
 
 
 class JobList(BaseModel):
