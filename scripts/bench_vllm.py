@@ -69,13 +69,16 @@ def bench(args: argparse.Namespace) -> dict:
         once(llm, 1, 64, 2)
     shape = Shape.from_config(read_config(args.model))
     rows = []
+
+    def record(row: dict) -> None:  # progress as it goes: a long run on a busy machine shows what it has
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     for n in args.lengths:
         t = interleaved(llms, lambda llm, n=n: once(llm, 1, n, 1), args.repeats, seed=n)
         ideal = ideal_prefill_speedup(shape, n)
         speedup = t["original"] / t["swiftkv"]
-        rows.append(
-            dict(metric="ttft_s", length=n, **t, speedup=speedup, ideal=ideal, of_ideal=speedup / ideal)
-        )
+        record(dict(metric="ttft_s", length=n, **t, speedup=speedup, ideal=ideal, of_ideal=speedup / ideal))
 
     def tpot(llm) -> float:
         prompt = random_prompts(vocab, 1, args.tpot_prompt, next(seeds))
@@ -83,16 +86,14 @@ def bench(args: argparse.Namespace) -> dict:
         return (full - timed_generate(llm, prompt, 1)) / args.tpot_tokens
 
     t = interleaved(llms, tpot, args.repeats)
-    rows.append(dict(metric="tpot_s", length=args.tpot_prompt, **t, speedup=t["original"] / t["swiftkv"]))
+    record(dict(metric="tpot_s", length=args.tpot_prompt, **t, speedup=t["original"] / t["swiftkv"]))
 
     def throughput(llm) -> float:
         tokens = args.mix_requests * (args.mix_prompt + args.mix_output)
         return tokens / once(llm, args.mix_requests, args.mix_prompt, args.mix_output)
 
     t = interleaved(llms, throughput, args.repeats)
-    rows.append(
-        dict(metric="tokens_per_s", length=args.mix_prompt, **t, speedup=t["swiftkv"] / t["original"])
-    )
+    record(dict(metric="tokens_per_s", length=args.mix_prompt, **t, speedup=t["swiftkv"] / t["original"]))
     return dict(meta=dict(vars(args), model=str(args.model), baseline=str(args.baseline)), rows=rows)
 
 

@@ -148,10 +148,10 @@ class SwiftKVLlamaAttention(nn.Module):
 
 
 class _Stack(nn.Module):
-    """A compiled unit over a slice of the SwiftKV model's layers; the model is referenced, not registered, so
-    the weights keep their checkpoint names."""
+    """A compiled unit over a slice of the SwiftKV model's layers (``support_torch_compile`` takes the
+    ``vllm_config``); the model is referenced, not registered, so the weights keep their checkpoint names."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: LlamaSwiftKVModel):
+    def __init__(self, *, model: LlamaSwiftKVModel):
         super().__init__()
         self._model = [model]
 
