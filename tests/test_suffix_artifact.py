@@ -180,5 +180,5 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
         "suffix_decoding_max_tree_depth": 64,
         "suffix_decoding_max_spec_factor": 1.0,
         "suffix_decoding_min_token_prob": 0.1,
-        "suffix_decoding_max_cached_requests": 100000,
+        "suffix_decoding_max_cached_requests": 10000,
     }

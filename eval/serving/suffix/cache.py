@@ -33,7 +33,11 @@ class SpecConfig(BaseModel):
     min_token_prob: float = Field(
         0.1, ge=0, le=1, description="Stop expanding below this estimated probability."
     )
-    max_cached_requests: int = Field(100_000, ge=0, description="FIFO limit on responses in the global tree.")
+    # 10,000 responses x ~300 tokens x ~930 B per cached token (bench_suffix.py streams, this Python tree)
+    # = ~2.8 GB of host memory; the C++ reference (vLLM) needs ~450 B per token, ~1.4 GB.  100,000 would be ~28 GB.
+    max_cached_requests: int = Field(
+        10_000, ge=0, description="FIFO limit on responses in the global tree (live ones included)."
+    )
     mode: Literal["path", "tree"] = Field(
         "path", description="Path draft (one chain) or tree draft (best-first)."
     )

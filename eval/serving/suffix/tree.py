@@ -317,8 +317,14 @@ class SuffixTree:
             active.popleft()
         seq.append(token)
         n = len(seq)
-        for i, node in enumerate(active):
-            active[i] = self._extend_suffix(node, token, seq, seq_id, n)
+        extend = self._extend_suffix
+        for i, node in enumerate(active):  # _extend_suffix's most common case inlined
+            if node.count == 1 and node is not root:  # a leaf only this suffix reaches: grow it
+                node.length += 1
+                node.end = n
+                node.endpoints[seq_id] = n
+            else:
+                active[i] = extend(node, token, seq, seq_id, n)
 
     def _extend_suffix(self, node: _Node, token: int, seq: array, seq_id: int, n: int) -> _Node:
         """Extend the suffix of ``seq_id`` that ends at the end of ``node`` by ``token`` (= seq[n-1])."""
