@@ -50,8 +50,12 @@ class ResumeError(ValueError):
     """The checkpoint to resume from does not belong to this recipe."""
 
 
+_DATA_RUNTIME_FIELDS = {"num_proc", "cache_dir", "tokenize_timeout_minutes"}  # how data is built, not what
+
+
 def fingerprint(recipe: Recipe, num_processes: int) -> dict:
     fields = {k: getattr(recipe, k).model_dump(mode="json") for k in _RESUME_FIELDS}
+    fields["data"] = recipe.data.model_dump(mode="json", exclude=_DATA_RUNTIME_FIELDS)
     fields["train"] = {k: recipe.train.model_dump(mode="json")[k] for k in _RESUME_TRAIN_FIELDS}
     fields["num_processes"] = num_processes
     return fields

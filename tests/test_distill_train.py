@@ -412,3 +412,21 @@ def test_resume_on_another_world_size_is_refused_before_any_work(tmp_path):
     assert result.stderr.count("\n") == 1 and "written by 2 processes, this launch has 1" in result.stderr
     assert "to resolve, launch with 2 processes" in result.stderr
     assert tree(out) == before
+
+
+def test_resume_fingerprint_ignores_how_the_data_is_built(tmp_path):
+    """More tokenizer processes, another cache folder or a longer timeout still resume; other data does not."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "o"),
+                "model": {"source": "m"},
+                "data": {"sources": [{"path": "d"}]},
+            }
+        )
+    )
+    base = fingerprint(load_recipe(path), 1)
+    runtime = ["data.num_proc=7", f"data.cache_dir={tmp_path}", "data.tokenize_timeout_minutes=600"]
+    assert fingerprint(load_recipe(path, runtime), 1) == base
+    assert fingerprint(load_recipe(path, ["data.seq_len=64"]), 1) != base
