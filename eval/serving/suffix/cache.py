@@ -120,7 +120,7 @@ class SuffixCache:
         """Match positions of ``ctx``'s tails (lengths 1 .. len(ctx) - 1) using open sequence ``seq_id``'s
         active nodes for the tails it ends with; [] when ``seq_id`` does not end with ``ctx``'s last token."""
         seq = tree.seqs.get(seq_id)
-        if seq is None or seq_id not in tree._active or not seq or seq[-1] != ctx[-1]:
+        if seq is None or not tree.is_open(seq_id) or not seq or seq[-1] != ctx[-1]:
             return []
         n = min(len(seq), len(ctx))
         if seq[len(seq) - n :] != ctx[len(ctx) - n :]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -493,6 +494,10 @@ class SuffixTree:
             out.append((node, k))
         return out
 
+    def is_open(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` can still grow (and has active nodes)."""
+        return seq_id in self._active
+
     def active_positions(self, seq_id: int) -> list[Position]:
         """Positions of the tails of open sequence ``seq_id`` (lengths 1, 2, ...), from its active nodes; O(1) each."""
         return [(node, node.length) for node in reversed(self._active[seq_id])]
@@ -622,8 +627,6 @@ class SuffixTree:
 
     def nbytes(self) -> int:
         """Bytes held by the tree: nodes, their dicts and token arrays (sys.getsizeof, shared objects once)."""
-        import sys
-
         total, stack = 0, [self.root]
         while stack:
             node = stack.pop()
