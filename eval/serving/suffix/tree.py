@@ -595,7 +595,9 @@ class SuffixTree:
         """
         best_score, best_p, best_draft = -1.0, 0, None
         min_prob = f32(min_token_prob)
+        slack = 1 + 1e-5 if tree else 1  # a level's float32 probabilities may sum to a hair over 1
         for bound, p, budget in _search_order(len(positions), self.max_depth, max_spec, factor, offset):
+            bound *= slack
             if bound < best_score or (bound == best_score and p < best_p):
                 break
             node, off = positions[p - 1]
