@@ -79,6 +79,7 @@ def test_a_planned_zero3_job_launches_and_trains(tiny_chat_model, chat_data, tmp
         "recipe": str(_tiny_recipe(tmp_path, tiny_chat_model, chat_data)),
         "student_params_b": 0.1,
         "teacher_params_b": 0.5,
+        "activation_gb": 0.0,  # memory by bytes per parameter (a tiny recipe's estimate fits ZeRO-0 anywhere)
         "mixed_precision": "no",
         "max_gpus": 2,
         "observed": [
