@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_base
 from torch import nn
@@ -38,8 +39,9 @@ def test_kd_loss_is_zero_when_student_equals_teacher():
     assert kd_loss(x, x, head, torch.ones(1, 5)).abs() < 1e-6
 
 
-def test_shared_lower_layers_equals_two_passes():
-    model = to_swiftkv(tiny_base("llama"), 3, 1)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_shared_lower_layers_equals_two_passes(family):
+    model = to_swiftkv(tiny_base(family), 3, 1)
     for name in model.swiftkv_parameter_names():  # make the paths differ, as during training
         model.get_parameter(name).data.add_(0.05 * torch.randn_like(model.get_parameter(name)))
     for name, p in model.named_parameters():
