@@ -3,6 +3,7 @@ plan's own accelerate + DeepSpeed files running a real 2-process ZeRO-3 distilla
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -128,7 +129,7 @@ def test_every_reallocation_costs_a_restart_and_new_baselines_run():
     res = simulate(cluster, [job], "sia", round_s=60.0)
     segments = sorted(res.segments, key=lambda s: s.start)
     assert segments[0].start == pytest.approx(job.restart_s)  # the first start pays it too
-    moves = [(a, b) for a, b in zip(segments, segments[1:]) if a.config != b.config]
+    moves = [(a, b) for a, b in itertools.pairwise(segments) if a.config != b.config]
     assert any(b.config.gpus > a.config.gpus for a, b in moves)  # it was scaled up at least once
     assert all(b.start - a.end >= job.restart_s - 1e-9 for a, b in moves)
     trace = generate_trace(MIXED, num_jobs=12, hours=1.0, seed=1)
