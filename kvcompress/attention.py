@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
-from .cache import ATTN_IMPLEMENTATION, TaleLayer
+from .cache import ATTN_IMPLEMENTATION, TaleLayer, observed_rows
 
 QUERY_CHUNK = 512
-OBSERVED_QUERIES = 64  # a prefill's significance is observed from its last queries only
 
 
 def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor:
@@ -47,13 +46,13 @@ def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device
 def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` ``(b, hq, q, d)`` over everything ``layer`` holds; returns ``(b, q, hq, d)``."""
     b, hq, q, d = query.shape
-    h = layer.exact_k.shape[1]
-    g = hq // h
+    g = hq // layer.exact_k.shape[1]
     allowed = _allowed_mask(mask, b, q, layer.length, query.device)
-    outs, start = [], 0
-    if layer.n_compressed == 0 and q > OBSERVED_QUERIES:
+    prefill = layer.n_compressed == 0
+    start, stop = observed_rows(q, prefill)
+    outs = []
+    if start:
         # Prefill over exact tokens only: sdpa for all but the last queries, which also record significance.
-        start = q - OBSERVED_QUERIES
         outs.append(
             F.scaled_dot_product_attention(
                 query[:, :, :start],
@@ -64,17 +63,33 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
                 enable_gqa=True,
             )
         )
+    record = not layer.record_past  # a recorded pass observes its significance when it is settled (crop)
     outs += [
-        _attend_chunk(layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g)
-        for i in range(start, q, QUERY_CHUNK)
+        _attend_chunk(
+            layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g, record
+        )
+        for i in range(start, stop, QUERY_CHUNK)
     ]
+    if layer.record_past:
+        layer.hold_pass(query, allowed, scaling, prefill)
     layer.finish_read()
     return torch.cat(outs, dim=-2).to(query.dtype).transpose(1, 2).contiguous()
 
 
-def _attend_chunk(
-    layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int
-) -> torch.Tensor:
+def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float) -> None:
+    """Record the significance ``query`` rows (``allowed``: their ``(b, 1, q, length)`` mask) give ``layer``'s exact tokens."""
+    g = query.shape[1] // layer.exact_k.shape[1]
+    for i in range(0, query.shape[-2], QUERY_CHUNK):
+        rows = slice(i, i + QUERY_CHUNK)
+        probs, _, exact_allowed, visible = _probs(layer, query[:, :, rows], allowed[:, :, rows], scaling, g)
+        layer.record_significance(probs[0], exact_allowed, visible, g)
+
+
+def _probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int):
+    """Attention probabilities of a chunk of queries, split into exact columns and one block per stored tier.
+
+    Returns ``(probs, tiers, exact_allowed, visible)`` with the query heads of a KV head folded into rows.
+    """
     b, hq, q, d = query.shape
     h = hq // g
     qf = query.float().reshape(b, h, g * q, d) * scaling  # query heads of one KV head folded into rows
@@ -103,8 +118,17 @@ def _attend_chunk(
     probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).nan_to_num_(
         0.0
     )  # fully masked (padding) rows -> 0
-    probs = probs.split(sizes, dim=-1)
-    layer.record_significance(probs[0], exact_allowed, visible, g)
+    return probs.split(sizes, dim=-1), tiers, exact_allowed, visible
+
+
+def _attend_chunk(
+    layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int, record: bool
+) -> torch.Tensor:
+    b, hq, q, _ = query.shape
+    h = hq // g
+    probs, tiers, exact_allowed, visible = _probs(layer, query, allowed, scaling, g)
+    if record:
+        layer.record_significance(probs[0], exact_allowed, visible, g)
 
     out = probs[0] @ layer.exact_v.float()
     if tiers:

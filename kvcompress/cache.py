@@ -19,6 +19,13 @@ attention (``kvcompress.attention``) reads the tiers without rebuilding K/V, upd
 then calls ``compress_overflow``.  So every forward pass sees its own new tokens exactly, and the state
 between forward passes is always compressed.
 
+Speculative decoding (assisted generation, prompt lookup, suffix decoding): ``activate_past_recording()``
+(which ``generate`` calls for assisted decoding) makes each forward pass undoable.  A recorded pass attends
+as usual but keeps its queries instead of adding significance, and defers its compression; ``crop(-k)``
+then drops its last ``k`` tokens, observes significance from the kept rows and compresses, which leaves
+exactly the state the pass would have produced without those tokens.  Only the last pass can be undone:
+older tokens may already be compressed, and their significance includes the rows since.
+
 SwiftKV: an AcrossKV group's K/V is written once, into the leader's layer (``config.kv_cache_layer``), and
 every layer of the group attends to it.  The layer counts its readers, accumulates significance over all
 of them and compresses only after the last one has attended, so every reader sees the same state and the
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,6 +46,8 @@ from .factors import Factors, LayerFactors, model_signature
 from .policy import Policy
 
 ATTN_IMPLEMENTATION = "tale"
+OBSERVED_QUERIES = 64  # a prefill's significance is observed from its last queries only
+MAX_UNDO_PREFILL = 64  # tokens ``crop`` can take back from a prefill longer than OBSERVED_QUERIES
 
 
 class TaleLayer(CacheLayerMixin):
@@ -45,11 +55,12 @@ class TaleLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # the last forward pass, once past recording is active (see ``crop``)
 
     def __init__(self, factors: LayerFactors | None, policy: Policy, layer_idx: int, readers: int = 1):
         super().__init__()
         self.factors, self.policy, self.layer_idx, self.readers = factors, policy, layer_idx, readers
+        self.record_past = False
         self.reset()
 
     # --- CacheLayerMixin API -------------------------------------------------------------------------
@@ -62,6 +73,8 @@ class TaleLayer(CacheLayerMixin):
         self.tier_ids: torch.Tensor | None = None
         self.n_compressed = 0
         self.unread = 0  # attention passes still due over the tokens of the last update
+        self.pass_tokens = 0  # tokens the last update added
+        self.pending: list[HeldPass] | None = None  # the last pass's queries, while it can still be cropped
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -91,6 +104,7 @@ class TaleLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.settle()  # a pass nobody cropped is final once the next one starts
         n = key_states.shape[-2]
         b = key_states.shape[0]
         self.exact_k = torch.cat([self.exact_k, key_states], dim=-2)
@@ -98,6 +112,7 @@ class TaleLayer(CacheLayerMixin):
         self.acc = torch.cat([self.acc, self.acc.new_zeros(b, self.acc.shape[1], n)], dim=-1)
         self.cnt = torch.cat([self.cnt, self.cnt.new_zeros(b, n)], dim=-1)
         self.length += n
+        self.pass_tokens = n
         self.unread = self.readers
         keys = self.exact_k
         keys.tale_layer = self
@@ -148,10 +163,86 @@ class TaleLayer(CacheLayerMixin):
         self.cnt += allowed.sum(-2).squeeze(1).float() / groups
 
     def finish_read(self) -> None:
-        """Called after each attention pass; once every reader of this KV has attended, compress."""
+        """Called after each attention pass; once every reader of this KV has attended, compress (or, while
+        past recording is active, leave that to ``crop``)."""
         self.unread = max(self.unread - 1, 0)
-        if self.unread == 0:
+        if self.unread == 0 and self.pending is None:
             self.compress_overflow()
+
+    def hold_pass(self, query: torch.Tensor, allowed: torch.Tensor, scaling: float, prefill: bool) -> None:
+        """Keep one reader's queries of the current pass so ``crop`` can observe significance from the kept rows.
+
+        A prefill observes only its last ``OBSERVED_QUERIES`` rows, so only the rows that can still be among them
+        after a crop of up to ``MAX_UNDO_PREFILL`` tokens are kept; any other pass observes all its rows.
+        """
+        q = query.shape[-2]
+        first = max(0, q - OBSERVED_QUERIES - MAX_UNDO_PREFILL) if prefill else 0
+        held = HeldPass(
+            query[..., first:, :].clone(), allowed[..., first:, :].clone(), scaling, first, prefill
+        )
+        self.pending = (self.pending or []) + [held]
+
+    # --- rollback (speculative decoding) ------------------------------------------------------------------
+    def activate_past_recording(self) -> None:
+        """Make every forward pass undoable by ``crop`` (transformers calls this for assisted decoding).
+
+        A recorded pass attends exactly as usual, but its significance and the compression it triggers wait
+        for ``crop`` (or the next update), so the state after ``crop(-k)`` is exactly the state the pass would
+        have left without its last ``k`` tokens.
+        """
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of the last forward pass, then settle that pass."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): TaleCache is cropped by a negative count of tokens to remove; to resolve, "
+                "pass -k to drop the last k tokens"
+            )
+        k = -tokens_to_remove
+        if k == 0 or not self.is_initialized:
+            self.settle()
+            return
+        if not self.record_past:
+            raise ValueError(
+                "TaleCache can only crop a forward pass recorded for undo; to resolve, call "
+                "cache.activate_past_recording() before the forward pass (generate() does it for assisted decoding)"
+            )
+        if self.pending is None or self.unread:
+            raise ValueError(
+                f"crop({tokens_to_remove}): the last forward pass is already settled (cropped or followed by another "
+                "pass); to resolve, crop right after the forward pass whose tokens you reject"
+            )
+        if k > self.pass_tokens:
+            raise ValueError(
+                f"crop removes {k} tokens but the last forward pass added {self.pass_tokens}; to resolve, crop only "
+                "tokens of the last pass (compressed older tokens cannot be restored)"
+            )
+        kept = self.pass_tokens - k
+        for held in self.pending:
+            if observed_rows(kept, held.prefill)[0] < held.first:
+                raise ValueError(
+                    f"crop removes {k} tokens of a {self.pass_tokens}-token prefill; to resolve, crop at most "
+                    f"{MAX_UNDO_PREFILL} tokens of a long pass"
+                )
+        self.exact_k, self.exact_v = self.exact_k[..., :-k, :], self.exact_v[..., :-k, :]
+        self.acc, self.cnt = self.acc[..., :-k], self.cnt[..., :-k]
+        self.length -= k
+        self.pass_tokens = kept
+        self.settle()
+
+    def settle(self) -> None:
+        """Finish a recorded pass: significance from its (kept) rows, then compression."""
+        if self.pending is None:
+            return
+        from .attention import observe  # attention builds on this module
+
+        held_passes, self.pending = self.pending, None
+        for held in held_passes:
+            start, stop = observed_rows(self.pass_tokens, held.prefill)
+            rows = slice(start - held.first, stop - held.first)
+            observe(self, held.query[..., rows, :], held.allowed[..., rows, : self.length], held.scaling)
+        self.compress_overflow()
 
     def compress_overflow(self) -> None:
         """Compress the window's oldest tokens once ``block`` of them have left it (all of them after a prefill)."""
@@ -226,6 +317,24 @@ class TaleLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         """Bytes of KV state this layer holds (storages, so views of larger buffers count in full)."""
         return sum(t.untyped_storage().nbytes() for t in self.held_tensors())
+
+
+@dataclass
+class HeldPass:
+    """One reader's queries of a pass that ``crop`` may still cut: rows ``first..`` of the pass and their mask."""
+
+    query: torch.Tensor
+    allowed: torch.Tensor
+    scaling: float
+    first: int
+    prefill: bool
+
+
+def observed_rows(pass_tokens: int, prefill: bool) -> tuple[int, int]:
+    """The rows of a pass of ``pass_tokens`` whose attention counts as significance (a prefill: its last rows)."""
+    if prefill and pass_tokens > OBSERVED_QUERIES:
+        return pass_tokens - OBSERVED_QUERIES, pass_tokens
+    return 0, pass_tokens
 
 
 class TaleCache(Cache):
