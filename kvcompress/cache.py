@@ -245,12 +245,18 @@ class TaleLayer(CacheLayerMixin):
         self.compress_overflow()
 
     def compress_overflow(self) -> None:
-        """Compress the window's oldest tokens once ``block`` of them have left it (all of them after a prefill)."""
+        """Compress the window's oldest tokens once ``block`` of them have left it (all of them after a prefill)
+        and have been observed by enough query rows (``Policy.observe``)."""
         s, n_exact = self.n_sinks, self.exact_k.shape[-2]
         overflow = n_exact - s - self.policy.window
         if overflow < self.policy.block:
             return
-        self._compress(s, overflow)
+        # only tokens enough query rows have attended to (any batch row: padding columns are seen by none)
+        need = min(self.policy.observe, self.policy.window + 1)
+        seen = self.cnt[:, s : s + overflow].amax(0) / self.readers
+        ready = int((seen >= need - 0.5).cumprod(0).sum())
+        if ready >= self.policy.block:
+            self._compress(s, ready)
 
     def _compress(self, start: int, n: int) -> None:
         stop = start + n

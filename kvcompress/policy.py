@@ -7,6 +7,12 @@ A token is stored in one of three ways:
   the window, and never recomputed);
 - **tier i** of ``tiers``: ``k_rank``/``v_rank`` coefficients in the calibrated basis, quantized to ``bits``.
 
+A token's tier is chosen from the attention it received, so a token leaves the window only once
+``min(observe, window + 1)`` query rows have attended to it.  In a plain model this always holds already (a
+prefill observes from its last 64 rows, a decoded token is seen by ``window + 1`` rows before it leaves); in
+SwiftKV's later layers a ``generate()`` prefill runs only the last prompt row, so the prompt waits there for
+the first decode steps' queries instead of being tiered from one row.
+
 Tokens leave the window in blocks of at least ``block`` tokens (so per-block quotas are meaningful and the
 work is amortized).  Within each leaving block, separately per batch row and KV head, tokens are sorted by
 significance and the top ``fraction[0]`` go to tier 0, the next ``fraction[1]`` to tier 1, and so on.
@@ -54,6 +60,12 @@ class Policy(BaseModel):
     sinks: int = Field(4, ge=0, description="first tokens kept exact forever (attention sinks)")
     window: int = Field(64, ge=0, description="most recent tokens kept exact")
     block: int = Field(32, ge=1, description="compress only once this many tokens have left the window")
+    observe: int = Field(
+        64,
+        ge=1,
+        description="query rows that must have attended to a token before its tier is chosen (at most window + 1 "
+        "are waited for); matters where a prompt's rows skipped attention (SwiftKV's later layers)",
+    )
     group_size: int | None = Field(
         None, description="coefficients per quantization group (None: whole vector)"
     )
