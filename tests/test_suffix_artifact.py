@@ -33,9 +33,11 @@ def word_tokenizer(words: int = 128, offset: int = 0):
     return fast
 
 
-def filled_cache(seed: int = 0, limit: int = 6) -> SuffixCache:
+def filled_cache(seed: int = 0, limit: int = 6, compiled: bool | None = None) -> SuffixCache:
     rng = random.Random(seed)
-    cache = SuffixCache(SpecConfig(max_depth=6, max_cached_requests=limit, min_token_prob=0.0))
+    cache = SuffixCache(
+        SpecConfig(max_depth=6, max_cached_requests=limit, min_token_prob=0.0), compiled=compiled
+    )
     for _ in range(10):  # more than the limit: nodes that pointed into evicted responses are re-pointed
         cache.add_response([rng.randrange(3, 9) for _ in range(rng.randint(1, 30))])
     return cache
@@ -69,7 +71,9 @@ def test_evicted_responses_are_freed_and_not_saved(tmp_path):
 
     import numpy as np
 
-    cache = filled_cache(limit=3)
+    cache = filled_cache(
+        limit=3, compiled=False
+    )  # the object tree's arrays (the compiled one: test_suffix_fast)
     live = {id(a) for a in cache.global_tree.seqs.values()}
     refs = set()
     stack = [cache.global_tree.root]

@@ -1,4 +1,5 @@
-"""Drafts equal those of the C++ reference (arctic-inference 0.3.0's SuffixDecodingCache) on the same streams.
+"""Drafts equal those of the C++ reference (arctic-inference 0.3.0's SuffixDecodingCache) on the same streams,
+for both tree kinds (pure Python and numba-compiled).
 
 The reference is never a dependency: build it outside the repository (docs/serving.md, "Reference C++ suffix
 tree") and point ``SUFFIX_REFERENCE_PATH`` at the folder holding ``arctic_inference/``.  Without it these tests
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from eval.serving.suffix.cache import SpecConfig, SuffixCache
+from eval.serving.suffix.cache import SpecConfig, SuffixCache, compiled_available
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def paths(tokens, parents, probs, above: float) -> list[tuple[int, ...]]:
     return sorted(p for p, pr in zip(out, probs, strict=True) if pr > above)
 
 
-def streams(reference, seed: int, mode: str):
+def streams(reference, seed: int, mode: str, compiled: bool):
     """Both caches driven through the same requests; yields (ours, theirs) drafts at every step."""
     rng = random.Random(seed)
     vocab, depth, cached = rng.randint(2, 12), rng.randint(2, 16), rng.randint(1, 6)
@@ -52,7 +53,7 @@ def streams(reference, seed: int, mode: str):
         factor=rng.choice([0.5, 1.0, 2.0]),
         offset=rng.choice([0.0, 1.0]),
     )
-    ours, theirs = SuffixCache(cfg), reference(depth, cached)
+    ours, theirs = SuffixCache(cfg, compiled=compiled), reference(depth, cached)
     motif = [rng.randrange(vocab) for _ in range(6)]
 
     def tokens(n: int, start: int) -> list[int]:
@@ -76,18 +77,26 @@ def streams(reference, seed: int, mode: str):
         theirs.stop_request(r)
 
 
+COMPILED = [
+    False,
+    pytest.param(True, marks=pytest.mark.skipif(not compiled_available(), reason="needs numba")),
+]
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
 @pytest.mark.parametrize("seed", range(120))
-def test_path_drafts_identical_to_reference(reference, seed):
-    for a, b in streams(reference, seed, "path"):
+def test_path_drafts_identical_to_reference(reference, seed, compiled):
+    for a, b in streams(reference, seed, "path", compiled):
         assert (a.tokens, a.parents, a.probs, a.score) == (b.token_ids, b.parents, b.probs, b.score)
         assert not a.tokens or a.match_len == b.match_len
 
 
+@pytest.mark.parametrize("compiled", COMPILED)
 @pytest.mark.parametrize("seed", range(60))
-def test_tree_drafts_have_the_reference_nodes(reference, seed):
+def test_tree_drafts_have_the_reference_nodes(reference, seed, compiled):
     """Same probabilities and score; same nodes except where equal-probability candidates tie at the budget
     (the reference breaks those ties in std::priority_queue's heap order, this heap in insertion order)."""
-    for a, b in streams(reference, seed, "tree"):
+    for a, b in streams(reference, seed, "tree", compiled):
         if a.match_len != b.match_len:  # a tie broken differently changed a float32 sum's order: 1 ulp apart
             assert a.score == pytest.approx(b.score, rel=1e-6)
             continue

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from eval.serving.suffix.artifact import tree_to_arrays
 from eval.serving.suffix.cache import SpecConfig, SuffixCache
 from eval.serving.suffix.tree import SuffixTree
 
@@ -21,19 +22,18 @@ def brute_counts(seqs, depth: int) -> dict[tuple[int, ...], int]:
     return dict(counts)
 
 
-def expand(tree: SuffixTree) -> dict[tuple[int, ...], int]:
-    """The compressed tree as a trie: path -> count, one entry per token position inside each node."""
+def expand(tree) -> dict[tuple[int, ...], int]:
+    """The compressed tree (object or compiled) as a trie: path -> count, one entry per token position inside
+    each node, read from its artifact arrays (so both kinds are seen the same way)."""
+    a = tree_to_arrays(tree, sorted(tree.seqs))
     out: dict[tuple[int, ...], int] = {}
-    stack = [(tree.root, ())]
-    while stack:
-        node, path = stack.pop()
-        for child in node.children.values():
-            assert child.parent is node
-            p = path
-            for o in range(child.length):
-                p = p + (child.token(o),)
-                out[p] = child.count
-            stack.append((child, p))
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(a["parent"])):
+        start = a["offsets"][a["ref"][i]] + a["end"][i] - a["length"][i]
+        p = paths[a["parent"][i]] + tuple(a["tokens"][start : start + a["length"][i]].tolist())
+        for o in range(a["length"][i]):
+            out[p[: len(p) - a["length"][i] + o + 1]] = int(a["count"][i])
+        paths.append(p)
     return out
 
 

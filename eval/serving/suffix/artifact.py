@@ -26,7 +26,7 @@ from typing import Any
 
 from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
-from .cache import SpecConfig, SuffixCache
+from .cache import SpecConfig, SuffixCache, tree_class
 from .tree import SuffixTree, _Group, _Node
 
 FORMAT = "swiftkv-suffix-cache"
@@ -54,6 +54,27 @@ def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
     import numpy as np
 
     arrays: list[array] = [tree.seqs[i] for i in order]
+    offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
+    tokens = (
+        np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays]) if arrays else np.zeros(0, np.int32)
+    )
+    common = {
+        "max_depth": np.int64(tree.max_depth),
+        "seq_ids": np.array(order, dtype=np.int64),
+        "offsets": offsets,
+        "tokens": tokens.astype(np.int32),
+    }
+    if not isinstance(tree, SuffixTree):  # the compiled ArrayTree flattens itself
+        columns, ep_rows = tree.to_arrays(order)
+        names = ("parent", "count", "length", "ref", "end")
+        return {
+            **common,
+            **{k: columns[:, i].copy() for i, k in enumerate(names)},
+            **{
+                k: ep_rows[:, i].copy()
+                for i, k in enumerate(("endpoint_node", "endpoint_seq", "endpoint_end"))
+            },
+        }
     index = {seq_id: k for k, seq_id in enumerate(order)}
     parent, count, length, ref, end = [-1], [tree.root.count], [0], [-1], [0]
     ep_node, ep_seq, ep_end = [], [], []
@@ -71,17 +92,8 @@ def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
             ref.append(index[child.ref_id])
             end.append(child.end)
             queue.append((child, len(parent) - 1))
-    offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
-    tokens = (
-        np.concatenate([np.frombuffer(a, dtype=np.int32) for a in arrays])
-        if arrays
-        else np.zeros(0, np.int32)
-    )
     return {
-        "max_depth": np.int64(tree.max_depth),
-        "seq_ids": np.array(order, dtype=np.int64),
-        "offsets": offsets,
-        "tokens": tokens.astype(np.int32),
+        **common,
         "parent": np.array(parent, dtype=np.int64),
         "count": np.array(count, dtype=np.int64),
         "length": np.array(length, dtype=np.int64),
@@ -93,8 +105,9 @@ def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
     }
 
 
-def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
-    """Inverse of :func:`tree_to_arrays`; raises ValueError on any inconsistency (checked vectorized first)."""
+def tree_from_arrays(data: dict[str, Any], compiled: bool = False) -> SuffixTree:
+    """Inverse of :func:`tree_to_arrays` (a compiled ArrayTree with ``compiled``); raises ValueError on any
+    inconsistency (checked vectorized first)."""
     import numpy as np
 
     offsets, tokens = data["offsets"], data["tokens"]
@@ -112,7 +125,21 @@ def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
         (ep_node >= 0).all() & (ep_node <= n_nodes).all() & (ep_seq >= 0).all() & (ep_seq < n_seqs).all()
     ):
         raise ValueError("endpoint table is inconsistent")
-    first = tokens[offsets[ref] + end - length].tolist() if n_nodes else []
+    first = tokens[offsets[ref] + end - length] if n_nodes else np.zeros(0, np.int32)
+    if compiled:
+        from .fast import ArrayTree
+
+        columns = np.stack([data[k] for k in ("parent", "count", "length", "ref", "end")], axis=1)
+        return ArrayTree.from_arrays(
+            int(data["max_depth"]),
+            data["seq_ids"].tolist(),
+            offsets,
+            tokens,
+            np.ascontiguousarray(columns, np.int64),
+            np.concatenate([[0], first]).astype(np.int64),
+            np.stack([ep_node, ep_seq, ep_end], axis=1).astype(np.int64).reshape(-1, 3),
+        )
+    first = first.tolist()
     arrays = [
         array("i", tokens[a:b].astype("int32").tobytes())
         for a, b in zip(offsets[:-1], offsets[1:], strict=True)
@@ -198,10 +225,13 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | None = None) -> SuffixCache:
+def load_cache(
+    path: str | os.PathLike, tokenizer=None, config: SpecConfig | None = None, compiled: bool | None = None
+) -> SuffixCache:
     """Load a cache; with ``tokenizer``, refuse one built with another tokenizer.
 
-    ``config`` overrides the stored speculation settings (its ``max_depth`` must equal the stored one).
+    ``config`` overrides the stored speculation settings (its ``max_depth`` must equal the stored one);
+    ``compiled`` picks the tree kind as in :class:`SuffixCache` (the file format is the same for both).
     """
     import numpy as np
 
@@ -222,7 +252,7 @@ def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | Non
         )
     try:
         with np.load(tree_path) as data:
-            tree = tree_from_arrays({k: data[k] for k in data.files})
+            tree = tree_from_arrays({k: data[k] for k in data.files}, tree_class(compiled) is not SuffixTree)
     except (ValueError, KeyError, IndexError, OSError) as e:
         raise ValueError(f"{tree_path} is corrupt ({e}); to resolve, rebuild the cache") from e
     return SuffixCache(config or SpecConfig(**meta["config"]), tree)

@@ -43,17 +43,43 @@ class SpecConfig(BaseModel):
     )
 
 
+def compiled_available() -> bool:
+    """Whether numba (the ``fast`` extra) is installed, so the compiled :class:`.fast.ArrayTree` can be used."""
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def tree_class(compiled: bool | None = None) -> type:
+    """The numba :class:`.fast.ArrayTree` (``compiled``; None: when numba is installed) or :class:`SuffixTree`."""
+    if compiled is None:
+        compiled = compiled_available()
+    if not compiled:
+        return SuffixTree
+    from .fast import ArrayTree
+
+    return ArrayTree
+
+
 class SuffixCache:
     """Global + per-request suffix trees with the speculation rule of SuffixDecoding.
 
     As in the reference (arctic-inference's ``SuffixDecodingCache``), a live request's response enters the
     global tree token by token, so other requests (and this one) can draft from it at once; the oldest
-    responses are evicted past ``max_cached_requests``, counting the live ones.
+    responses are evicted past ``max_cached_requests``, counting the live ones.  The trees are numba-compiled
+    :class:`.fast.ArrayTree` s when numba is installed (``compiled=None``), else (or with ``compiled=False``)
+    pure-Python :class:`SuffixTree` s; both give the same drafts.  A given ``global_tree`` sets the kind.
     """
 
-    def __init__(self, config: SpecConfig | None = None, global_tree: SuffixTree | None = None) -> None:
+    def __init__(
+        self,
+        config: SpecConfig | None = None,
+        global_tree: SuffixTree | None = None,
+        compiled: bool | None = None,
+    ) -> None:
         self.config = config or SpecConfig()
-        self.global_tree = global_tree or SuffixTree(self.config.max_depth)
+        self._tree_class = type(global_tree) if global_tree is not None else tree_class(compiled)
+        self.global_tree = global_tree or self._tree_class(self.config.max_depth)
         if self.global_tree.max_depth != self.config.max_depth:
             raise ValueError(
                 f"global tree depth {self.global_tree.max_depth} != max_depth {self.config.max_depth}; "
@@ -94,7 +120,7 @@ class SuffixCache:
     # ---- requests -------------------------------------------------------------------------------------
 
     def start_request(self, request_id: int, prompt: Sequence[int]) -> None:
-        tree = SuffixTree(self.config.max_depth)
+        tree = self._tree_class(self.config.max_depth)
         tree.extend(0, prompt)
         seq_id = self._new_response()
         self._requests[request_id] = (tree, seq_id)
@@ -115,21 +141,6 @@ class SuffixCache:
             self._live.pop(seq_id)
             self.global_tree.close(seq_id)
 
-    @staticmethod
-    def _positions(tree: SuffixTree, seq_id: int, ctx: array) -> list:
-        """Match positions of ``ctx``'s tails (lengths 1 .. len(ctx) - 1) using open sequence ``seq_id``'s
-        active nodes for the tails it ends with; [] when ``seq_id`` does not end with ``ctx``'s last token."""
-        seq = tree.seqs.get(seq_id)
-        if seq is None or not tree.is_open(seq_id) or not seq or seq[-1] != ctx[-1]:
-            return []
-        n = min(len(seq), len(ctx))
-        if seq[len(seq) - n :] != ctx[len(ctx) - n :]:
-            return []
-        positions = tree.active_positions(seq_id)[: min(n, len(ctx) - 1)]
-        if n == len(seq) and n < len(ctx) - 1:  # tails reaching back past the sequence's start: walk them
-            positions += tree.match_positions(ctx, start=n + 1)
-        return positions
-
     def speculate(self, request_id: int, context: Sequence[int]) -> Draft:
         """The higher-scoring draft of the request tree and the global tree for ``context``'s tail.
 
@@ -148,8 +159,6 @@ class SuffixCache:
             min_token_prob=cfg.min_token_prob,
             tree=cfg.mode == "tree",
         )
-        positions = self._positions(tree, 0, ctx)
-        glob_positions = self._positions(self.global_tree, seq_id, ctx) if seq_id is not None else []
-        local = tree.best_draft(positions, **kwargs)
-        glob = self.global_tree.best_draft(glob_positions or self.global_tree.match_positions(ctx), **kwargs)
+        local = tree.speculate_open(0, ctx, False, **kwargs)
+        glob = self.global_tree.speculate_open(seq_id, ctx, True, **kwargs)
         return local if local.score >= glob.score else glob

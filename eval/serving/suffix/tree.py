@@ -627,6 +627,39 @@ class SuffixTree:
         """Best draft for the tails of ``context`` shorter than it (lengths 1 .. len(context) - 1)."""
         return self.best_draft(self.match_positions(context), max_spec, factor, offset, min_token_prob, tree)
 
+    def tail_positions(self, seq_id: int | None, ctx: array) -> list[Position]:
+        """Match positions of ``ctx``'s tails (lengths 1 .. len(ctx) - 1) using open sequence ``seq_id``'s
+        active nodes for the tails it ends with; [] when ``seq_id`` does not end with ``ctx``'s last token."""
+        seq = self.seqs.get(seq_id)
+        if seq is None or not self.is_open(seq_id) or not seq or not ctx or seq[-1] != ctx[-1]:
+            return []
+        n = min(len(seq), len(ctx))
+        if seq[len(seq) - n :] != ctx[len(ctx) - n :]:
+            return []
+        positions = self.active_positions(seq_id)[: min(n, len(ctx) - 1)]
+        if n == len(seq) and n < len(ctx) - 1:  # tails reaching back past the sequence's start: walk them
+            positions += self.match_positions(ctx, start=n + 1)
+        return positions
+
+    def speculate_open(
+        self,
+        seq_id: int | None,
+        context: Sequence[int],
+        walk: bool,
+        max_spec: int,
+        factor: float = 1.0,
+        offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        tree: bool = False,
+    ) -> Draft:
+        """Best draft for ``context``'s tails, positions from ``seq_id``'s active nodes when ``context`` ends
+        with that open sequence (O(1) each), else (with ``walk``) walked from the root."""
+        ctx = context if isinstance(context, array) else array("i", context)
+        positions = self.tail_positions(seq_id, ctx)
+        if not positions and walk:
+            positions = self.match_positions(ctx)
+        return self.best_draft(positions, max_spec, factor, offset, min_token_prob, tree)
+
     def nbytes(self) -> int:
         """Bytes held by the tree: nodes, their dicts and token arrays (sys.getsizeof, shared objects once)."""
         total, stack = 0, [self.root]

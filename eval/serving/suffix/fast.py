@@ -1,0 +1,1161 @@
+"""The suffix tree of :mod:`.tree` in flat numpy arrays, updated and searched by numba-compiled kernels.
+
+Why: the object tree does O(max_depth) Python work per appended token (one step per active node, in the
+request tree and in the global tree) and scores up to ``max_depth`` drafts per ``speculate()``; compiled,
+both are a few microseconds.  Same structure, same update rules in the same order (so the same sibling
+order and ties), same float32 arithmetic: drafts are identical to :class:`.tree.SuffixTree`'s
+(tests/test_suffix_fast.py).  numba is optional (the ``fast`` extra); without it the object tree is used.
+
+Layout: node fields are the columns of one int32 table (``NODE_FIELDS``); a node's children are found in
+an open-addressing hash table keyed by (parent, token), its suffix endpoints in a linked list of records
+found by (node, sequence slot); equal-count sibling groups are rows of a group table, reference-counted
+by their members.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
+tokens live in a segment of one token pool (moved to the end, doubled, when it outgrows its segment);
+removed and moved-away segments are reclaimed by compaction.  Kernels never allocate: the Python side
+reserves room for the worst case of each call first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numba
+import numpy as np
+
+from .tree import Draft, _search_order, f32
+
+jit = numba.njit(cache=True, nogil=True)
+
+# node table columns
+CNT, LEN, REF, END, PAR, HEAD, TAIL, NEXT, PREV, GRP, EPH = range(11)
+NODE_FIELDS = 11
+# group table columns
+GHEAD, GNEXT, GPREV, GSIZE = range(4)
+# endpoint record columns
+ENODE, ESEQ, EEND, ENEXT, EPREV = range(5)
+# sequence table columns (int64)
+SSTART, SLEN, SCAP, SROW = range(4)
+# meta counters
+M_NFREE, M_NHWM, M_GFREE, M_GHWM, M_EFREE, M_EHWM, M_CLIVE, M_ELIVE = range(8)
+EMPTY = -1
+MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashing)
+
+
+# ---- hash tables: int64 keys (EMPTY when free), int32 values, linear probing, backward-shift deletion -----
+
+
+@jit
+def _home(key, mask):
+    h = key * MUL
+    return (h ^ (h >> 29)) & mask
+
+
+@jit
+def h_get(keys, vals, key):
+    mask = len(keys) - 1
+    i = _home(key, mask)
+    while keys[i] != EMPTY:
+        if keys[i] == key:
+            return vals[i]
+        i = (i + 1) & mask
+    return -1
+
+
+@jit
+def h_put(keys, vals, key, val):
+    """Set key -> val; 1 if the key is new."""
+    mask = len(keys) - 1
+    i = _home(key, mask)
+    while keys[i] != EMPTY:
+        if keys[i] == key:
+            vals[i] = val
+            return 0
+        i = (i + 1) & mask
+    keys[i] = key
+    vals[i] = val
+    return 1
+
+
+@jit
+def h_del(keys, vals, key):
+    """Delete key; 1 if it was there."""
+    mask = len(keys) - 1
+    i = _home(key, mask)
+    while keys[i] != key:
+        if keys[i] == EMPTY:
+            return 0
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if keys[j] == EMPTY:
+            break
+        k = _home(keys[j], mask)
+        if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
+            continue  # keys[j] is between its home and i's hole: it stays
+        keys[i] = keys[j]
+        vals[i] = vals[j]
+        i = j
+    keys[i] = EMPTY
+    return 1
+
+
+@jit
+def h_rehash(keys, vals, new_keys, new_vals):
+    for i in range(len(keys)):
+        if keys[i] != EMPTY:
+            h_put(new_keys, new_vals, keys[i], vals[i])
+
+
+@jit
+def ckey(node, token):
+    return (np.int64(node) << 32) | (np.int64(token) & 0xFFFFFFFF)
+
+
+# ---- allocation ----------------------------------------------------------------------------------------
+
+
+@jit
+def new_node(nodes, meta, count, length, ref, end, parent):
+    r = meta[M_NFREE]
+    if r >= 0:
+        meta[M_NFREE] = nodes[r, NEXT]
+    else:
+        r = meta[M_NHWM]
+        meta[M_NHWM] = r + 1
+    nodes[r, CNT] = count
+    nodes[r, LEN] = length
+    nodes[r, REF] = ref
+    nodes[r, END] = end
+    nodes[r, PAR] = parent
+    for f in (HEAD, TAIL, NEXT, PREV, GRP, EPH):
+        nodes[r, f] = -1
+    return r
+
+
+@jit
+def new_group(groups, meta, head):
+    g = meta[M_GFREE]
+    if g >= 0:
+        meta[M_GFREE] = groups[g, GNEXT]
+    else:
+        g = meta[M_GHWM]
+        meta[M_GHWM] = g + 1
+    groups[g, GHEAD] = head
+    groups[g, GNEXT] = -1
+    groups[g, GPREV] = -1
+    groups[g, GSIZE] = 0
+    return g
+
+
+@jit
+def gset(nodes, groups, meta, node, g):
+    """node.group = g, counting members; a group left without members is freed."""
+    old = nodes[node, GRP]
+    if old == g:
+        return
+    if g >= 0:
+        groups[g, GSIZE] += 1
+    nodes[node, GRP] = g
+    if old >= 0:
+        groups[old, GSIZE] -= 1
+        if groups[old, GSIZE] == 0:
+            groups[old, GNEXT] = meta[M_GFREE]
+            meta[M_GFREE] = old
+
+
+# ---- endpoints (node, sequence slot) -> end ------------------------------------------------------------
+
+
+@jit
+def ep_get(eps, ekeys, evals, node, slot):
+    r = h_get(ekeys, evals, ckey(node, slot))
+    return -1 if r < 0 else eps[r, EEND]
+
+
+@jit
+def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
+    key = ckey(node, slot)
+    r = h_get(ekeys, evals, key)
+    if r >= 0:
+        eps[r, EEND] = end
+        return
+    r = meta[M_EFREE]
+    if r >= 0:
+        meta[M_EFREE] = eps[r, ENEXT]
+    else:
+        r = meta[M_EHWM]
+        meta[M_EHWM] = r + 1
+    eps[r, ENODE] = node
+    eps[r, ESEQ] = slot
+    eps[r, EEND] = end
+    first = nodes[node, EPH]
+    eps[r, ENEXT] = first
+    eps[r, EPREV] = -1
+    if first >= 0:
+        eps[first, EPREV] = r
+    nodes[node, EPH] = r
+    meta[M_ELIVE] += h_put(ekeys, evals, key, r)
+
+
+@jit
+def _ep_free(nodes, eps, ekeys, evals, meta, r):
+    nx, pv = eps[r, ENEXT], eps[r, EPREV]
+    if nx >= 0:
+        eps[nx, EPREV] = pv
+    if pv >= 0:
+        eps[pv, ENEXT] = nx
+    else:
+        nodes[eps[r, ENODE], EPH] = nx
+    meta[M_ELIVE] -= h_del(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]))
+    eps[r, ENEXT] = meta[M_EFREE]
+    meta[M_EFREE] = r
+
+
+@jit
+def ep_del(nodes, eps, ekeys, evals, meta, node, slot):
+    r = h_get(ekeys, evals, ckey(node, slot))
+    if r >= 0:
+        _ep_free(nodes, eps, ekeys, evals, meta, r)
+
+
+@jit
+def free_node(nodes, groups, eps, ekeys, evals, meta, node):
+    """Release a node that is out of the tree (its child keys are the caller's): endpoints, group, row."""
+    while nodes[node, EPH] >= 0:
+        _ep_free(nodes, eps, ekeys, evals, meta, nodes[node, EPH])
+    gset(nodes, groups, meta, node, -1)
+    nodes[node, CNT] = 0
+    nodes[node, NEXT] = meta[M_NFREE]
+    meta[M_NFREE] = node
+
+
+# ---- the ordered sibling list (the updates of tree.py, on rows) ---------------------------------------
+
+
+@jit
+def remove_from_siblings(nodes, groups, meta, node):
+    g = nodes[node, GRP]
+    nx = nodes[node, NEXT]
+    pv = nodes[node, PREV]
+    if groups[g, GHEAD] == node:
+        if nx >= 0 and nodes[nx, CNT] == nodes[node, CNT]:
+            groups[g, GHEAD] = nx
+            gset(nodes, groups, meta, node, -1)
+        else:
+            gp, gn = groups[g, GPREV], groups[g, GNEXT]
+            if gp >= 0:
+                groups[gp, GNEXT] = gn
+            if gn >= 0:
+                groups[gn, GPREV] = gp
+            groups[g, GPREV] = -1
+            groups[g, GNEXT] = -1
+    else:
+        gset(nodes, groups, meta, node, -1)
+    parent = nodes[node, PAR]
+    if nx >= 0:
+        nodes[nx, PREV] = pv
+    else:
+        nodes[parent, TAIL] = pv
+    if pv >= 0:
+        nodes[pv, NEXT] = nx
+    else:
+        nodes[parent, HEAD] = nx
+    nodes[node, PREV] = -1
+    nodes[node, NEXT] = -1
+
+
+@jit
+def insert_before(nodes, groups, meta, node, other):
+    op = nodes[other, PREV]
+    if op >= 0:
+        nodes[op, NEXT] = node
+    else:
+        nodes[nodes[node, PAR], HEAD] = node
+    nodes[node, NEXT] = other
+    nodes[node, PREV] = op
+    nodes[other, PREV] = node
+    if op >= 0 and nodes[node, CNT] == nodes[op, CNT]:
+        gset(nodes, groups, meta, node, nodes[op, GRP])
+    elif nodes[node, CNT] == nodes[other, CNT]:
+        gset(nodes, groups, meta, node, nodes[other, GRP])
+        groups[nodes[node, GRP], GHEAD] = node
+    else:
+        if nodes[node, GRP] < 0:
+            gset(nodes, groups, meta, node, new_group(groups, meta, node))
+        g = nodes[node, GRP]
+        if op >= 0:
+            groups[g, GPREV] = nodes[op, GRP]
+            groups[groups[g, GPREV], GNEXT] = g
+        groups[g, GNEXT] = nodes[other, GRP]
+        groups[groups[g, GNEXT], GPREV] = g
+
+
+@jit
+def insert_after(nodes, groups, meta, node, other):
+    on = nodes[other, NEXT]
+    if on >= 0:
+        nodes[on, PREV] = node
+    else:
+        nodes[nodes[node, PAR], TAIL] = node
+    nodes[node, PREV] = other
+    nodes[node, NEXT] = on
+    nodes[other, NEXT] = node
+    if on >= 0 and nodes[node, CNT] == nodes[on, CNT]:
+        gset(nodes, groups, meta, node, nodes[on, GRP])
+        g = nodes[node, GRP]
+        if groups[g, GHEAD] == on:
+            groups[g, GHEAD] = node
+    elif nodes[node, CNT] == nodes[other, CNT]:
+        gset(nodes, groups, meta, node, nodes[other, GRP])
+    else:
+        if nodes[node, GRP] < 0:
+            gset(nodes, groups, meta, node, new_group(groups, meta, node))
+        g = nodes[node, GRP]
+        if on >= 0:
+            groups[g, GNEXT] = nodes[on, GRP]
+            groups[groups[g, GNEXT], GPREV] = g
+        groups[g, GPREV] = nodes[other, GRP]
+        groups[groups[g, GPREV], GNEXT] = g
+
+
+@jit
+def replace_in_siblings(nodes, groups, meta, old, new):
+    parent = nodes[old, PAR]
+    on, op = nodes[old, NEXT], nodes[old, PREV]
+    if on >= 0:
+        nodes[on, PREV] = new
+    else:
+        nodes[parent, TAIL] = new
+    if op >= 0:
+        nodes[op, NEXT] = new
+    else:
+        nodes[parent, HEAD] = new
+    nodes[new, PREV] = op
+    nodes[new, NEXT] = on
+    nodes[old, PREV] = -1
+    nodes[old, NEXT] = -1
+    g = nodes[old, GRP]
+    if groups[g, GHEAD] == old:
+        groups[g, GHEAD] = new
+    gset(nodes, groups, meta, new, g)
+    gset(nodes, groups, meta, old, -1)
+
+
+@jit
+def increment_count(nodes, groups, meta, node):
+    if nodes[node, PAR] < 0:
+        nodes[node, CNT] += 1
+        return
+    pv = nodes[node, PREV]
+    c = nodes[node, CNT]
+    if pv < 0 or nodes[pv, CNT] > c + 1:
+        nx = nodes[node, NEXT]
+        if nx >= 0 and nodes[nx, CNT] >= c:  # split off from its group into a new one in front of it
+            orig = nodes[node, GRP]
+            groups[orig, GHEAD] = nx
+            g = new_group(groups, meta, node)
+            groups[g, GNEXT] = orig
+            if groups[orig, GPREV] >= 0:
+                groups[g, GPREV] = groups[orig, GPREV]
+                groups[groups[g, GPREV], GNEXT] = g
+            groups[orig, GPREV] = g
+            gset(nodes, groups, meta, node, g)
+        nodes[node, CNT] = c + 1
+    else:
+        other = groups[nodes[pv, GRP], GHEAD]
+        remove_from_siblings(nodes, groups, meta, node)
+        nodes[node, CNT] = c + 1
+        insert_before(nodes, groups, meta, node, other)
+
+
+@jit
+def decrement_count(nodes, groups, meta, node):
+    if nodes[node, PAR] < 0:
+        nodes[node, CNT] -= 1
+        return
+    nx = nodes[node, NEXT]
+    c = nodes[node, CNT]
+    if nx < 0 or nodes[nx, CNT] < c - 1:
+        pv = nodes[node, PREV]
+        if pv >= 0 and nodes[pv, CNT] <= c:  # split off from its group into a new one behind it
+            orig = nodes[node, GRP]
+            g = new_group(groups, meta, node)
+            groups[g, GPREV] = orig
+            if groups[orig, GNEXT] >= 0:
+                groups[g, GNEXT] = groups[orig, GNEXT]
+                groups[groups[g, GNEXT], GPREV] = g
+            groups[orig, GNEXT] = g
+            gset(nodes, groups, meta, node, g)
+        nodes[node, CNT] = c - 1
+    elif nodes[nx, CNT] == c - 1:
+        groups[nodes[nx, GRP], GHEAD] = node
+        g = nodes[node, GRP]
+        if groups[g, GHEAD] == node:
+            if groups[g, GPREV] >= 0:
+                groups[groups[g, GPREV], GNEXT] = groups[g, GNEXT]
+            groups[groups[g, GNEXT], GPREV] = groups[g, GPREV]
+        gset(nodes, groups, meta, node, nodes[nx, GRP])
+        nodes[node, CNT] = c - 1
+    else:
+        other_group = groups[nodes[node, GRP], GNEXT]
+        remove_from_siblings(nodes, groups, meta, node)
+        nodes[node, CNT] = c - 1
+        if other_group < 0:
+            insert_after(nodes, groups, meta, node, nodes[nodes[node, PAR], TAIL])
+        else:
+            insert_before(nodes, groups, meta, node, groups[other_group, GHEAD])
+
+
+# ---- building ------------------------------------------------------------------------------------------
+
+
+@jit
+def token_at(nodes, tokens, seqtab, node, offset):
+    return tokens[seqtab[nodes[node, REF], SSTART] + nodes[node, END] - nodes[node, LEN] + offset]
+
+
+@jit
+def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n):
+    """tree.SuffixTree._extend_suffix on rows."""
+    child = h_get(ckeys, cvals, ckey(node, token))
+    is_root = node == 0
+    if child < 0:
+        if nodes[node, CNT] == 1 and not is_root:  # a leaf only this suffix reaches: grow it
+            nodes[node, LEN] += 1
+            nodes[node, END] = n
+            ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
+            return node
+        new = new_node(nodes, meta, 1, 1, slot, n, node)
+        ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
+        meta[M_CLIVE] += h_put(ckeys, cvals, ckey(node, token), new)
+        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+        if nodes[node, HEAD] < 0:
+            nodes[node, HEAD] = new
+            nodes[node, TAIL] = new
+            gset(nodes, groups, meta, new, new_group(groups, meta, new))
+        else:
+            insert_after(nodes, groups, meta, new, nodes[node, TAIL])
+        return new
+    if (
+        nodes[node, CNT] == nodes[child, CNT] + 1 and not is_root
+    ):  # node's only child; this suffix ends at node
+        if nodes[child, LEN] == 1:  # fuse node into child
+            parent = nodes[node, PAR]
+            key = token_at(nodes, tokens, seqtab, node, 0)
+            nodes[child, CNT] += 1
+            nodes[child, LEN] = nodes[node, LEN] + 1
+            nodes[child, REF] = slot
+            nodes[child, END] = n
+            ep_set(nodes, eps, ekeys, evals, meta, child, slot, n)
+            nodes[child, PAR] = parent
+            replace_in_siblings(nodes, groups, meta, node, child)
+            h_put(ckeys, cvals, ckey(parent, key), child)
+            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, token))
+            free_node(nodes, groups, eps, ekeys, evals, meta, node)
+            return child
+        nodes[node, LEN] += 1  # node grows into child by one token
+        ep_set(nodes, eps, ekeys, evals, meta, node, slot, ep_get(eps, ekeys, evals, node, slot) + 1)
+        nodes[node, REF] = slot
+        nodes[node, END] = n
+        nodes[child, LEN] -= 1
+        first = token_at(nodes, tokens, seqtab, child, 0)
+        if first != token:
+            h_del(ckeys, cvals, ckey(node, token))
+            h_put(ckeys, cvals, ckey(node, first), child)
+        return node
+    if nodes[child, LEN] == 1:
+        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+        ep_set(nodes, eps, ekeys, evals, meta, child, slot, n)
+        increment_count(nodes, groups, meta, child)
+        return child
+    new = new_node(nodes, meta, nodes[child, CNT], 1, slot, n, node)  # split child after its first token
+    replace_in_siblings(nodes, groups, meta, child, new)
+    h_put(ckeys, cvals, ckey(node, token), new)
+    nodes[child, LEN] -= 1
+    meta[M_CLIVE] += h_put(ckeys, cvals, ckey(new, token_at(nodes, tokens, seqtab, child, 0)), child)
+    nodes[child, PAR] = new
+    ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+    ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
+    nodes[new, HEAD] = child
+    nodes[new, TAIL] = child
+    gset(nodes, groups, meta, child, new_group(groups, meta, child))
+    increment_count(nodes, groups, meta, new)
+    return new
+
+
+@jit
+def k_extend(
+    nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, active, actmeta, slot, new
+):
+    """Append ``new`` to open sequence ``slot`` (tree.SuffixTree.append per token, active nodes in a ring)."""
+    depth = active.shape[1]
+    row = seqtab[slot, SROW]
+    base = seqtab[slot, SSTART]
+    for t in range(len(new)):
+        token = new[t]
+        n0 = seqtab[slot, SLEN]
+        ep_set(nodes, eps, ekeys, evals, meta, 0, slot, n0)
+        nodes[0, CNT] += 1
+        start, count = actmeta[row, 0], actmeta[row, 1]
+        if count == depth:  # the oldest suffix reached max_depth: it stops growing
+            start = (start + 1) % depth
+            count -= 1
+        active[row, (start + count) % depth] = 0
+        count += 1
+        actmeta[row, 0], actmeta[row, 1] = start, count
+        tokens[base + n0] = token
+        n = n0 + 1
+        seqtab[slot, SLEN] = n
+        for i in range(count):
+            k = (start + i) % depth
+            node = active[row, k]
+            if nodes[node, CNT] == 1 and node != 0:
+                nodes[node, LEN] += 1
+                nodes[node, END] = n
+                ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
+            else:
+                active[row, k] = extend_suffix(
+                    nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n
+                )
+
+
+@jit
+def _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, top):
+    stack = [top]
+    while stack:
+        node = stack.pop()
+        c = nodes[node, HEAD]
+        while c >= 0:
+            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, token_at(nodes, tokens, seqtab, c, 0)))
+            stack.append(c)
+            c = nodes[c, NEXT]
+        free_node(nodes, groups, eps, ekeys, evals, meta, node)
+
+
+@jit
+def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, slot, depth):
+    """tree.SuffixTree.remove on rows (any leaf below a node serves to re-point it)."""
+    base, n = seqtab[slot, SSTART], seqtab[slot, SLEN]
+    path = np.empty(depth + 1, np.int32)
+    for start in range(n):
+        node = 0
+        nodes[0, CNT] -= 1
+        idx = start
+        plen = 0
+        while idx < n:
+            tok = tokens[base + idx]
+            child = h_get(ckeys, cvals, ckey(node, tok))
+            if child < 0:
+                break
+            if nodes[child, CNT] > 1:
+                decrement_count(nodes, groups, meta, child)
+            else:  # the child and its whole subtree go
+                remove_from_siblings(nodes, groups, meta, child)
+                meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, tok))
+                _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, child)
+                break
+            ep_del(nodes, eps, ekeys, evals, meta, child, slot)
+            idx += nodes[child, LEN]
+            node = child
+            path[plen] = node
+            plen += 1
+        only = nodes[node, HEAD]
+        if node != 0 and only >= 0 and only == nodes[node, TAIL] and nodes[node, CNT] == nodes[only, CNT]:
+            # no suffix ends at node any more: merge it into its child
+            key = token_at(nodes, tokens, seqtab, node, 0)
+            old_key = token_at(nodes, tokens, seqtab, only, 0)
+            parent = nodes[node, PAR]
+            nodes[only, LEN] += nodes[node, LEN]
+            nodes[only, PAR] = parent
+            replace_in_siblings(nodes, groups, meta, node, only)
+            h_put(ckeys, cvals, ckey(parent, key), only)
+            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, old_key))
+            free_node(nodes, groups, eps, ekeys, evals, meta, node)
+            node = only
+            path[plen - 1] = node
+        leaf, distance = node, 0
+        while nodes[leaf, HEAD] >= 0:
+            leaf = nodes[leaf, HEAD]
+            distance += nodes[leaf, LEN]
+        r = nodes[leaf, EPH]
+        if r < 0 or ep_get(eps, ekeys, evals, leaf, slot) >= 0:
+            continue  # visited again later in this removal
+        ref, end = eps[r, ESEQ], eps[r, EEND] - distance
+        for k in range(plen - 1, -1, -1):
+            p = path[k]
+            if nodes[p, REF] == slot:
+                nodes[p, REF] = ref
+                nodes[p, END] = end
+            end -= nodes[p, LEN]
+
+
+# ---- lookup and speculation ----------------------------------------------------------------------------
+
+
+@jit
+def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, pos_off, npos):
+    """Append the positions of ctx's tails of length start, start + 1, ... < len(ctx) while they occur."""
+    n = len(ctx)
+    for p in range(start, n):
+        i = n - p
+        node = h_get(ckeys, cvals, ckey(0, ctx[i]))
+        if node < 0:
+            break
+        k = 0
+        while True:
+            length = nodes[node, LEN]
+            k = min(length, n - i)
+            s = seqtab[nodes[node, REF], SSTART] + nodes[node, END] - length
+            for j in range(k):
+                if tokens[s + j] != ctx[i + j]:
+                    node = -1
+                    break
+            if node < 0:
+                break
+            i += k
+            if i == n:
+                break
+            node = h_get(ckeys, cvals, ckey(node, ctx[i]))
+            if node < 0:
+                break
+        if node < 0:
+            break
+        pos_node[npos] = node
+        pos_off[npos] = k
+        npos += 1
+    return npos
+
+
+@jit
+def tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off):
+    """SuffixTree.tail_positions: from ``slot``'s active nodes when ctx ends with that open sequence."""
+    m = len(ctx)
+    if slot < 0 or seqtab[slot, SROW] < 0 or m == 0:
+        return 0
+    length, base = seqtab[slot, SLEN], seqtab[slot, SSTART]
+    if length == 0 or tokens[base + length - 1] != ctx[m - 1]:
+        return 0
+    n = min(length, m)
+    for j in range(n):
+        if tokens[base + length - n + j] != ctx[m - n + j]:
+            return 0
+    row = seqtab[slot, SROW]
+    depth = active.shape[1]
+    start, count = actmeta[row, 0], actmeta[row, 1]
+    npos = min(count, n, m - 1)
+    for q in range(npos):  # newest active node first: tails of length 1, 2, ...
+        node = active[row, (start + count - 1 - q) % depth]
+        pos_node[q] = node
+        pos_off[q] = nodes[node, LEN]
+    if n == length and n < m - 1:
+        npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, n + 1, pos_node, pos_off, npos)
+    return npos
+
+
+@jit
+def _f32(x):
+    return np.float64(np.float32(x))
+
+
+@jit
+def path_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_prob, build):
+    """SuffixTree.speculate_path (``build``) / _path_score: (number of tokens, score)."""
+    score, prob, n = 0.0, 1.0, 0
+    while n < max_tokens and prob >= min_prob:
+        rest = nodes[node, LEN] - offset
+        if rest > 0:
+            k = min(rest, max_tokens - n)
+            if build:
+                s = seqtab[nodes[node, REF], SSTART] + nodes[node, END] - nodes[node, LEN] + offset
+                for j in range(k):
+                    out_tok[n + j] = tokens[s + j]
+                    out_prob[n + j] = prob
+            if prob == 1.0 and score < 16_777_216:
+                score += k
+            else:
+                for _ in range(k):
+                    score = _f32(score + prob)
+            n += k
+            offset += k
+        else:
+            child = nodes[node, HEAD]
+            if child < 0:
+                break
+            prob = _f32(prob * _f32(nodes[child, CNT] / nodes[node, CNT]))
+            node, offset = child, 0
+    return n, score
+
+
+@jit
+def _heap_less(hp, hi, a, b):
+    return hp[a] < hp[b] or (hp[a] == hp[b] and hi[a, 0] < hi[b, 0])
+
+
+@jit
+def _heap_swap(hp, hi, a, b):
+    hp[a], hp[b] = hp[b], hp[a]
+    for f in range(4):
+        hi[a, f], hi[b, f] = hi[b, f], hi[a, f]
+
+
+@jit
+def _heap_push(hp, hi, size, p, order, node, off, parent):
+    """Push (p, order) -> (node, off, parent) onto the min-heap of ``size`` entries; the new size."""
+    i = size
+    hp[i] = p
+    hi[i, 0], hi[i, 1], hi[i, 2], hi[i, 3] = order, node, off, parent
+    while i > 0 and _heap_less(hp, hi, i, (i - 1) // 2):
+        _heap_swap(hp, hi, i, (i - 1) // 2)
+        i = (i - 1) // 2
+    return size + 1
+
+
+@jit
+def _heap_pop(hp, hi, size):
+    """Move the smallest (p, order) entry to index ``size - 1``; the new size."""
+    last = size - 1
+    _heap_swap(hp, hi, 0, last)
+    i = 0
+    while True:
+        small, left, right = i, 2 * i + 1, 2 * i + 2
+        if left < last and _heap_less(hp, hi, left, small):
+            small = left
+        if right < last and _heap_less(hp, hi, right, small):
+            small = right
+        if small == i:
+            return last
+        _heap_swap(hp, hi, i, small)
+        i = small
+
+
+@jit
+def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob):
+    """SuffixTree.speculate_tree: best-first expansion; (number of tokens, score)."""
+    hp = np.empty(64, np.float64)
+    hi = np.empty((64, 4), np.int64)
+    size = _heap_push(hp, hi, 0, -1.0, 0, node, offset, -1)
+    order, n, score = 1, 0, 0.0
+    while size > 0 and n < max_tokens:
+        size = _heap_pop(hp, hi, size)
+        neg_p, nd, o, parent = hp[size], hi[size, 1], hi[size, 2], hi[size, 3]
+        if o < nodes[nd, LEN]:
+            out_tok[n] = token_at(nodes, tokens, seqtab, nd, o)
+            out_par[n] = parent
+            out_prob[n] = -neg_p
+            n += 1
+            score = _f32(score - neg_p)
+            if size == len(hp):
+                hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
+            size = _heap_push(hp, hi, size, neg_p, order, nd, o + 1, n - 1)
+            order += 1
+        else:
+            child = nodes[nd, HEAD]
+            while child >= 0:
+                p = _f32(_f32(-neg_p * nodes[child, CNT]) / nodes[nd, CNT])
+                if p < min_prob:
+                    break
+                if size == len(hp):
+                    hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
+                size = _heap_push(hp, hi, size, -p, order, child, 0, parent)
+                order += 1
+                child = nodes[child, NEXT]
+    return n, score
+
+
+@jit
+def k_speculate(
+    nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, walk, order, max_spec, min_prob, tree
+):
+    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open): tokens, parents, probs, score, match_len."""
+    m = len(ctx)
+    pos_node = np.empty(max(m, 1), np.int64)
+    pos_off = np.empty(max(m, 1), np.int64)
+    npos = tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off)
+    if npos == 0 and walk:
+        npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, 1, pos_node, pos_off, 0)
+    out_tok = np.empty(max_spec, np.int64)
+    out_par = np.empty(max_spec, np.int64)
+    out_prob = np.empty(max_spec, np.float64)
+    best_tok = np.empty(max_spec, np.int64)
+    best_par = np.empty(max_spec, np.int64)
+    best_prob = np.empty(max_spec, np.float64)
+    best_score, best_p, best_n, best_node, best_off, best_budget = -1.0, 0, 0, 0, 0, 0
+    slack = 1 + 1e-5 if tree else 1.0
+    for r in range(len(order)):
+        bound, p, budget = order[r, 0], order[r, 1], order[r, 2]
+        if p > npos:
+            continue
+        b = bound * slack
+        if b < best_score or (b == best_score and p < best_p):
+            break
+        node, off = pos_node[p - 1], pos_off[p - 1]
+        if tree:
+            n, score = tree_draft(
+                nodes, tokens, seqtab, node, off, budget, min_prob, out_tok, out_par, out_prob
+            )
+        else:
+            n, score = path_draft(
+                nodes, tokens, seqtab, node, off, budget, min_prob, out_tok, out_prob, False
+            )
+        if score > best_score or (score == best_score and p > best_p):
+            best_score, best_p, best_n = score, p, n
+            best_node, best_off, best_budget = node, off, budget
+            if tree:
+                best_tok[:n], best_par[:n], best_prob[:n] = out_tok[:n], out_par[:n], out_prob[:n]
+    if best_p == 0:
+        return best_tok[:0], best_par[:0], best_prob[:0], 0.0, 0
+    if not tree:
+        best_n, best_score = path_draft(
+            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, best_tok, best_prob, True
+        )
+        for i in range(best_n):
+            best_par[i] = i - 1
+    return best_tok[:best_n], best_par[:best_n], best_prob[:best_n], best_score, best_p
+
+
+@jit
+def k_to_arrays(nodes, eps, slot_index):
+    """Breadth-first flattening in sibling order (artifact.tree_to_arrays): parent, count, length, ref, end and
+    endpoint (node, sequence, end) rows, sequences as indices through ``slot_index``."""
+    out = np.empty((len(nodes), 5), np.int64)
+    queue = np.empty(len(nodes), np.int64)
+    out[0, 0], out[0, 1], out[0, 2], out[0, 3], out[0, 4] = -1, nodes[0, CNT], 0, -1, 0
+    queue[0], head, tail = 0, 0, 1
+    ep_rows = []
+    while head < tail:
+        node = queue[head]
+        r = nodes[node, EPH]
+        while r >= 0:
+            ep_rows.append((head, slot_index[eps[r, ESEQ]], eps[r, EEND]))
+            r = eps[r, ENEXT]
+        c = nodes[node, HEAD]
+        while c >= 0:
+            out[tail, 0], out[tail, 1], out[tail, 2] = head, nodes[c, CNT], nodes[c, LEN]
+            out[tail, 3], out[tail, 4] = slot_index[nodes[c, REF]], nodes[c, END]
+            queue[tail] = c
+            tail += 1
+            c = nodes[c, NEXT]
+        head += 1
+    eout = np.empty((len(ep_rows), 3), np.int64)
+    for i in range(len(ep_rows)):
+        eout[i, 0], eout[i, 1], eout[i, 2] = ep_rows[i]
+    return out[:tail], eout
+
+
+@jit
+def k_from_arrays(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, columns, first, ep_rows):
+    """Inverse of k_to_arrays into empty tables (sequence index = slot); the first node out of count order
+    (1-based), or 0."""
+    nodes[0, CNT] = columns[0, 1]
+    for i in range(1, len(columns)):
+        p, c = columns[i, 0], columns[i, 1]
+        node = new_node(nodes, meta, c, columns[i, 2], columns[i, 3], columns[i, 4], p)
+        meta[M_CLIVE] += h_put(ckeys, cvals, ckey(p, first[i]), node)
+        last = nodes[p, TAIL]
+        if last < 0:
+            nodes[p, HEAD] = node
+            gset(nodes, groups, meta, node, new_group(groups, meta, node))
+        else:
+            if nodes[last, CNT] < c:
+                return i
+            nodes[last, NEXT] = node
+            nodes[node, PREV] = last
+            if nodes[last, CNT] == c:
+                gset(nodes, groups, meta, node, nodes[last, GRP])
+            else:
+                g = new_group(groups, meta, node)
+                gset(nodes, groups, meta, node, g)
+                groups[g, GPREV] = nodes[last, GRP]
+                groups[nodes[last, GRP], GNEXT] = g
+        nodes[p, TAIL] = node
+    for i in range(len(ep_rows)):
+        ep_set(nodes, eps, ekeys, evals, meta, ep_rows[i, 0], ep_rows[i, 1], ep_rows[i, 2])
+    return 0
+
+
+# ---- the Python side -----------------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(4, (int(n) - 1).bit_length())
+
+
+class _Seqs(Mapping):
+    """Read-only view seq id -> token array (a copy) of an :class:`ArrayTree`'s sequences."""
+
+    def __init__(self, tree: ArrayTree) -> None:
+        self._tree = tree
+
+    def __getitem__(self, seq_id: int) -> np.ndarray:
+        t = self._tree
+        start, length = t.seqtab[t._slot[seq_id], [SSTART, SLEN]]
+        return t.tokens[start : start + length].copy()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tree._slot)
+
+    def __len__(self) -> int:
+        return len(self._tree._slot)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tree._slot
+
+
+class ArrayTree:
+    """:class:`.tree.SuffixTree` with the same methods and drafts, in numpy tables updated by numba kernels.
+
+    >>> t = ArrayTree(max_depth=8); t.extend(0, [1, 2, 3, 1, 2, 4])
+    >>> t.speculate([5, 1, 2], max_spec=4).tokens
+    [3]
+    """
+
+    CHUNK = 64  # tokens per extend kernel call (bounds the room reserved for it)
+
+    def __init__(self, max_depth: int = 64) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth={max_depth} must be >= 1")
+        self.max_depth = max_depth
+        self.nodes = np.full((1024, NODE_FIELDS), -1, np.int32)
+        self.nodes[0, [CNT, LEN, END]] = 0
+        self.groups = np.zeros((1024, 4), np.int32)
+        self.eps = np.zeros((1024, 5), np.int32)
+        self.ckeys, self.cvals = np.full(2048, EMPTY, np.int64), np.zeros(2048, np.int32)
+        self.ekeys, self.evals = np.full(2048, EMPTY, np.int64), np.zeros(2048, np.int32)
+        self.meta = np.zeros(8, np.int64)
+        self.meta[[M_NFREE, M_GFREE, M_EFREE]] = -1
+        self.meta[M_NHWM] = 1
+        self.tokens = np.zeros(4096, np.int32)
+        self._tok_used = 0
+        self._garbage = 0
+        self.seqtab = np.zeros((16, 4), np.int64)
+        self._n_slots = 0
+        self._free_slots: list[int] = []
+        self.active = np.zeros((4, max_depth), np.int32)
+        self.actmeta = np.zeros((4, 2), np.int32)
+        self._free_rows = list(range(3, -1, -1))
+        self._slot: dict[int, int] = {}
+        self._id_of: dict[int, int] = {}
+        self.seqs = _Seqs(self)
+
+    @property
+    def root_count(self) -> int:
+        return int(self.nodes[0, CNT])
+
+    # ---- room -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _grown(table: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
+        new = np.full((_pow2_at_least(max(rows, len(table))),) + table.shape[1:], fill, table.dtype)
+        new[: len(table)] = table
+        return new
+
+    def _rehashed(self, keys: np.ndarray, vals: np.ndarray, live: int) -> tuple[np.ndarray, np.ndarray]:
+        size = _pow2_at_least(2 * live + 1)
+        new_keys, new_vals = np.full(size, EMPTY, np.int64), np.zeros(size, np.int32)
+        h_rehash(keys, vals, new_keys, new_vals)
+        return new_keys, new_vals
+
+    def _reserve(self, n_tokens: int) -> None:
+        """Room for ``n_tokens`` appended tokens: each adds at most max_depth nodes, keys and endpoints."""
+        steps = n_tokens * (self.max_depth + 1)
+        meta = self.meta
+        if meta[M_NHWM] + steps > len(self.nodes):
+            self.nodes = self._grown(self.nodes, meta[M_NHWM] + steps, -1)
+        if meta[M_GHWM] + 3 * steps > len(self.groups):
+            self.groups = self._grown(self.groups, meta[M_GHWM] + 3 * steps)
+        if meta[M_EHWM] + steps > len(self.eps):
+            self.eps = self._grown(self.eps, meta[M_EHWM] + steps)
+        if 2 * (meta[M_CLIVE] + steps) > len(self.ckeys):
+            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, meta[M_CLIVE] + steps)
+        if 2 * (meta[M_ELIVE] + steps) > len(self.ekeys):
+            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, meta[M_ELIVE] + steps)
+
+    def _token_room(self, slot: int, n_tokens: int) -> None:
+        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled)."""
+        start, length, cap, _ = self.seqtab[slot]
+        if length + n_tokens <= cap:
+            return
+        new_cap = max(2 * int(cap), int(length) + n_tokens, 16)
+        if self._tok_used + new_cap > len(self.tokens):
+            if self._garbage > len(self.tokens) // 2:
+                self._compact()
+            if self._tok_used + new_cap > len(self.tokens):
+                grown = np.zeros(_pow2_at_least(self._tok_used + new_cap), np.int32)
+                grown[: self._tok_used] = self.tokens[: self._tok_used]
+                self.tokens = grown
+            start = self.seqtab[slot, SSTART]
+        self.tokens[self._tok_used : self._tok_used + length] = self.tokens[start : start + length]
+        self._garbage += int(cap)
+        self.seqtab[slot, [SSTART, SCAP]] = self._tok_used, new_cap
+        self._tok_used += new_cap
+
+    def _compact(self) -> None:
+        """Copy live segments to a fresh pool, dropping removed and moved-away ones."""
+        pool = np.zeros(len(self.tokens), np.int32)
+        used = 0
+        for slot in self._slot.values():
+            start, length, cap, _ = self.seqtab[slot]
+            pool[used : used + length] = self.tokens[start : start + length]
+            self.seqtab[slot, SSTART] = used
+            used += int(cap)
+        self.tokens, self._tok_used, self._garbage = pool, used, 0
+
+    def _tables(self) -> tuple:
+        return (self.nodes, self.groups, self.eps, self.ckeys, self.cvals, self.ekeys, self.evals, self.meta)
+
+    # ---- building -------------------------------------------------------------------------------------
+
+    def _open_slot(self, seq_id: int) -> int:
+        slot = self._slot.get(seq_id)
+        if slot is not None:
+            if self.seqtab[slot, SROW] < 0:
+                raise ValueError(f"sequence {seq_id} was closed; to resolve, append to a new sequence id")
+            return slot
+        if self._free_slots:  # a removed sequence's slot (its endpoints and node references are gone)
+            slot = self._free_slots.pop()
+        else:
+            slot = self._n_slots
+            self._n_slots += 1
+        if slot >= len(self.seqtab):
+            self.seqtab = self._grown(self.seqtab, slot + 1)
+        if not self._free_rows:
+            rows = len(self.active)
+            self.active = self._grown(self.active, 2 * rows)
+            self.actmeta = self._grown(self.actmeta, 2 * rows)
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free_rows.pop()
+        self.actmeta[row] = 0
+        self.seqtab[slot] = (self._tok_used, 0, 0, row)
+        self._slot[seq_id], self._id_of[slot] = slot, seq_id
+        return slot
+
+    def extend(self, seq_id: int, tokens: Iterable[int]) -> None:
+        """Append tokens to sequence ``seq_id`` (new or still open); O(max_depth) each."""
+        new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int32)
+        slot = self._open_slot(seq_id)
+        for i in range(0, len(new), self.CHUNK):
+            chunk = new[i : i + self.CHUNK]
+            self._reserve(len(chunk))
+            self._token_room(slot, len(chunk))
+            k_extend(*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta, slot, chunk)
+
+    def append(self, seq_id: int, token: int) -> None:
+        self.extend(seq_id, [token])
+
+    def close(self, seq_id: int) -> None:
+        """Stop growing ``seq_id``; its suffixes stay counted until ``remove``."""
+        slot = self._slot.get(seq_id)
+        if slot is not None and (row := int(self.seqtab[slot, SROW])) >= 0:
+            self._free_rows.append(row)
+            self.seqtab[slot, SROW] = -1
+            self._garbage += int(self.seqtab[slot, SCAP] - self.seqtab[slot, SLEN])
+            self.seqtab[slot, SCAP] = self.seqtab[slot, SLEN]
+
+    def add(self, seq_id: int, tokens: Iterable[int]) -> None:
+        """Insert a complete sequence."""
+        self.extend(seq_id, tokens)
+        self.close(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        """Remove every suffix of ``seq_id`` and release its tokens; O(len * max_depth)."""
+        self.close(seq_id)
+        slot = self._slot.pop(seq_id)
+        del self._id_of[slot]
+        k_remove(*self._tables(), self.tokens, self.seqtab, slot, self.max_depth)
+        self._garbage += int(self.seqtab[slot, SCAP])
+        self.seqtab[slot] = (0, 0, 0, -1)
+        self._free_slots.append(slot)
+
+    def is_open(self, seq_id: int) -> bool:
+        slot = self._slot.get(seq_id)
+        return slot is not None and self.seqtab[slot, SROW] >= 0
+
+    # ---- speculation ----------------------------------------------------------------------------------
+
+    def speculate_open(
+        self,
+        seq_id: int | None,
+        context: Sequence[int],
+        walk: bool,
+        max_spec: int,
+        factor: float = 1.0,
+        offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        tree: bool = False,
+    ) -> Draft:
+        """:meth:`.tree.SuffixTree.speculate_open` (same arguments, same draft)."""
+        slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
+        ctx = np.frombuffer(context, np.int32) if getattr(context, "typecode", "") == "i" else None
+        if ctx is None:
+            ctx = np.asarray(context, dtype=np.int32)
+        order = _order_array(self.max_depth, max_spec, factor, offset)
+        tok, par, prob, score, match_len = k_speculate(
+            self.nodes, self.ckeys, self.cvals, self.tokens, self.seqtab, self.active, self.actmeta,
+            slot, ctx, walk, order, max_spec, f32(min_token_prob), tree,
+        )  # fmt: skip
+        return Draft(tok.tolist(), par.tolist(), prob.tolist(), int(match_len), float(score))
+
+    def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
+        """Best draft for the tails of ``context`` shorter than it, each walked from the root."""
+        return self.speculate_open(None, context, True, max_spec, **kwargs)
+
+    # ---- artifacts and size ---------------------------------------------------------------------------
+
+    def to_arrays(self, order: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(node rows parent/count/length/ref/end, endpoint rows node/seq/end), breadth-first in sibling
+        order, sequences as indices into ``order`` (artifact.tree_to_arrays)."""
+        slot_index = np.full(max(self._n_slots, 1), -1, np.int64)
+        for k, seq_id in enumerate(order):
+            slot_index[self._slot[seq_id]] = k
+        return k_to_arrays(self.nodes[: self.meta[M_NHWM]], self.eps, slot_index)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        max_depth: int,
+        seq_ids: list[int],
+        offsets: np.ndarray,
+        tokens: np.ndarray,
+        columns,
+        first,
+        ep_rows,
+    ) -> ArrayTree:
+        """A tree of closed sequences from validated artifact arrays; ValueError if siblings are out of order."""
+        tree = cls(max_depth)
+        n_nodes, n_eps = len(columns), len(ep_rows)
+        tree.nodes = tree._grown(tree.nodes, n_nodes + 1, -1)
+        tree.groups = tree._grown(tree.groups, n_nodes + 1)
+        tree.eps = tree._grown(tree.eps, n_eps + 1)
+        tree.ckeys, tree.cvals = tree._rehashed(tree.ckeys, tree.cvals, n_nodes)
+        tree.ekeys, tree.evals = tree._rehashed(tree.ekeys, tree.evals, n_eps)
+        bad = k_from_arrays(*tree._tables(), columns, first, ep_rows)
+        if bad:
+            raise ValueError(f"node {bad} is out of count order")
+        tree.tokens = np.ascontiguousarray(tokens, np.int32).copy()
+        tree._tok_used = len(tree.tokens)
+        tree.seqtab = tree._grown(tree.seqtab, len(seq_ids))
+        lengths = np.diff(offsets)
+        for k, seq_id in enumerate(seq_ids):
+            tree.seqtab[k] = (offsets[k], lengths[k], lengths[k], -1)
+            tree._slot[seq_id], tree._id_of[k] = k, seq_id
+        tree._n_slots = len(seq_ids)
+        return tree
+
+    def nbytes(self) -> int:
+        """Bytes of the tables, token pool and id maps (allocated, not just used)."""
+        arrays = (*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta)
+        return sum(a.nbytes for a in arrays) + 2 * 100 * len(self._slot)
+
+
+_ORDERS: dict[tuple, np.ndarray] = {}
+
+
+def _order_array(max_depth: int, max_spec: int, factor: float, offset: float) -> np.ndarray:
+    """tree._search_order for every match length < max_depth as an (n, 3) int64 array (kernels skip lengths
+    beyond the positions found: a filtered sorted list stays sorted)."""
+    key = (max_depth, max_spec, factor, offset)
+    if (out := _ORDERS.get(key)) is None:
+        rows = _search_order(max_depth, max_depth, max_spec, factor, offset)
+        out = _ORDERS[key] = np.array(rows, np.int64).reshape(-1, 3)
+    return out
