@@ -14,6 +14,8 @@ With ``shared_lower_layers=False`` it runs two ordinary forward passes instead (
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,18 +33,18 @@ def _chunk_kl(
     return F.kl_div(s, t, log_target=True, reduction="sum")
 
 
-def _chunks(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, chunk_tokens: int):
-    """Fixed slices over all positions, each reduced to its counted rows.
+def _chunks(mask: torch.Tensor, chunk_tokens: int, *tensors: torch.Tensor):
+    """Fixed slices over all positions of each [batch, seq, ...] tensor, each reduced to its counted rows.
 
     The number of slices depends only on the batch shape, never on the mask, so every rank calls the
     vocabulary head equally often: ZeRO-3 gathers the head's weight at each call, and a rank that called it
     less would desynchronize the collectives.
     """
     rows = mask.reshape(-1).bool()
-    student, teacher = student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1])
+    flat = [t.reshape(rows.shape[0], *t.shape[2:]) for t in tensors]
     for i in range(0, rows.shape[0], chunk_tokens):
         keep = rows[i : i + chunk_tokens]
-        yield student[i : i + chunk_tokens][keep], teacher[i : i + chunk_tokens][keep]
+        yield [t[i : i + chunk_tokens][keep] for t in flat]
 
 
 def kd_loss(
@@ -59,7 +61,7 @@ def kd_loss(
     """
     recompute = mask.numel() > chunk_tokens and torch.is_grad_enabled()
     total = student.new_zeros((), dtype=torch.float32)
-    for s, t in _chunks(student, teacher, mask, chunk_tokens):
+    for s, t in _chunks(mask, chunk_tokens, student, teacher):
         if recompute:
             total = total + checkpoint(_chunk_kl, s, t, head, temperature, use_reentrant=False)
         else:
@@ -74,15 +76,37 @@ def agreement_metrics(
     head: nn.Module,
     mask: torch.Tensor,
     chunk_tokens: int = 1024,
+    input_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sums over counted tokens of [KL at T=1, top-1 agreement, count] (sums, so ranks can add them)."""
-    out = torch.zeros(3, dtype=torch.float64, device=student.device)
-    for s, t in _chunks(student, teacher, mask, chunk_tokens):
+    """Sums over counted tokens of [KL at T=1, top-1 agreement, count, student NLL, teacher NLL] (sums, so
+    ranks can add them).  The NLLs are of the next token in ``input_ids`` (position t predicts t+1; the last
+    position of a row is never counted by the data), zero without ``input_ids``."""
+    out = torch.zeros(5, dtype=torch.float64, device=student.device)
+    if input_ids is None:
+        input_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+    for s, t, y in _chunks(mask, chunk_tokens, student, teacher, targets):
         s, t = F.log_softmax(head(s).float(), -1), F.log_softmax(head(t).float(), -1)
         out[0] += F.kl_div(s, t, log_target=True, reduction="sum").double()
         out[1] += (s.argmax(-1) == t.argmax(-1)).sum()
         out[2] += s.shape[0]
+        out[3] -= s.gather(-1, y[:, None]).sum().double()
+        out[4] -= t.gather(-1, y[:, None]).sum().double()
+    if not input_ids.any():
+        out[3:] = 0
     return out
+
+
+def metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:
+    """Means of ``agreement_metrics`` sums: KL, top-1 agreement, token count and both perplexities."""
+    n = max(sums[2].item(), 1.0)
+    return {
+        "kl": sums[0].item() / n,
+        "top1_agreement": sums[1].item() / n,
+        "tokens": int(sums[2].item()),
+        "ppl_teacher": math.exp(sums[4].item() / n),
+        "ppl_student": math.exp(sums[3].item() / n),
+    }
 
 
 def masked_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,5 +151,5 @@ class DistillationObjective(nn.Module):
         mse = masked_mse(s_in, t_in, mask) if cfg.mse_weight > 0 else kl.new_zeros(())
         out = {"loss": cfg.kl_weight * kl + cfg.mse_weight * mse, "kl": kl.detach(), "mse": mse.detach()}
         if not self.training:
-            out["metrics"] = agreement_metrics(student, teacher, head, loss_mask, cfg.chunk_tokens)
+            out["metrics"] = agreement_metrics(student, teacher, head, loss_mask, cfg.chunk_tokens, input_ids)
         return out

@@ -39,7 +39,7 @@ from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
 from .data import build_datasets, check_sources, collate_rows
-from .objective import DistillationObjective
+from .objective import DistillationObjective, metrics_from_sums
 from .recipe import Recipe
 
 _RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
@@ -344,21 +344,15 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Held-out KL(teacher || student) at T=1, top-1 agreement and the training loss, over counted tokens."""
+    """Held-out KL(teacher || student) at T=1, top-1 agreement and both perplexities, over counted tokens."""
     run.objective.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=run.accelerator.device)
+    sums = torch.zeros(5, dtype=torch.float64, device=run.accelerator.device)
     for i, (ids, pos, mask) in enumerate(run.eval_loader):
         if i >= run.recipe.log.eval_batches:
             break
         sums += run.objective(ids, pos, mask)["metrics"]
     run.objective.train()
-    sums = run.accelerator.reduce(sums, "sum")
-    n = max(sums[2].item(), 1.0)
-    return {
-        "eval_kl": sums[0].item() / n,
-        "eval_top1_agreement": sums[1].item() / n,
-        "eval_tokens": int(sums[2].item()),
-    }
+    return {f"eval_{k}": v for k, v in metrics_from_sums(run.accelerator.reduce(sums, "sum")).items()}
 
 
 def export(run: Run, metrics: dict) -> Path:

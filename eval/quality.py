@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from distill.data import pack, render_conversation
-from distill.objective import agreement_metrics
+from distill.objective import agreement_metrics, metrics_from_sums
 from swiftkv.assets import iter_conversations
 
 from .tasks import held_out_pairs
@@ -38,8 +38,7 @@ def _modes(model) -> tuple[str, str] | None:
 
 @torch.no_grad()
 def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> dict[str, float]:
-    sums = torch.zeros(3, dtype=torch.float64)
-    nll = {"teacher": 0.0, "student": 0.0}
+    sums = torch.zeros(5, dtype=torch.float64)
     for i in range(0, rows["input_ids"].shape[0], batch_size):
         ids, pos, mask = (rows[k][i : i + batch_size] for k in ("input_ids", "position_ids", "loss_mask"))
         logits = {}
@@ -48,21 +47,10 @@ def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> 
                 model.set_mode(mode)
             logits[mode] = model(ids, position_ids=pos, use_cache=False).logits.float()
         logits.setdefault("student", logits["teacher"])
-        sums += agreement_metrics(logits["student"], logits["teacher"], nn.Identity(), mask)
-        targets = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # position t predicts token t+1 (last is masked)
-        for mode, lg in logits.items():
-            ce = nn.functional.cross_entropy(lg.transpose(1, 2), targets, reduction="none")
-            nll[mode] += float((ce * mask).sum())
+        sums += agreement_metrics(logits["student"], logits["teacher"], nn.Identity(), mask, input_ids=ids)
     if _modes(model):
         model.set_mode("student")
-    n = max(sums[2].item(), 1.0)
-    return {
-        "kl": sums[0].item() / n,
-        "top1_agreement": sums[1].item() / n,
-        "tokens": int(n),
-        "ppl_teacher": float(torch.tensor(nll["teacher"] / n).exp()),
-        "ppl_student": float(torch.tensor(nll["student"] / n).exp()),
-    }
+    return metrics_from_sums(sums)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_base
 from torch import nn
 
-from distill.objective import DistillationObjective, kd_loss
+from distill.objective import DistillationObjective, agreement_metrics, kd_loss, metrics_from_sums
 from distill.recipe import LossSection
 from swiftkv.convert import to_swiftkv
 
@@ -31,6 +31,24 @@ def test_chunked_kd_loss_equals_plain():
     s = torch.log_softmax(head(student) / 2, -1)[mask.bool()]
     t = torch.log_softmax(head(teacher) / 2, -1)[mask.bool()]
     torch.testing.assert_close(values[1], 4 * (t.exp() * (t - s)).sum(-1).mean())
+
+
+def test_agreement_metrics_perplexities_equal_cross_entropy():
+    """The held-out perplexities the trainer logs are exp(mean next-token cross-entropy) over counted tokens,
+    whatever the chunking."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=False)
+    student, teacher = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    ids = torch.randint(0, 50, (2, 9))
+    mask = (torch.rand(2, 9) > 0.3).long()
+    mask[:, -1] = 0
+    got = [metrics_from_sums(agreement_metrics(student, teacher, head, mask, c, ids)) for c in (4, 1000)]
+    assert got[0] == pytest.approx(got[1])
+    for side, hidden in (("student", student), ("teacher", teacher)):
+        ce = nn.functional.cross_entropy(head(hidden[:, :-1]).transpose(1, 2), ids[:, 1:], reduction="none")
+        expected = ce[mask[:, :-1].bool()].mean().exp()
+        assert got[0][f"ppl_{side}"] == pytest.approx(expected.item(), rel=1e-5)
+    assert got[0]["tokens"] == int(mask.sum())
 
 
 def test_kd_loss_is_zero_when_student_equals_teacher():
