@@ -1,8 +1,9 @@
 """The distillation run: one loop for 1 or N processes, plain or DeepSpeed ZeRO-1/2/3, through accelerate.
 
-    setup()   the checkpoint to resume from (checked against the recipe and world size before anything
-              expensive), model (a SwiftKV checkpoint, or a base one converted on the fly; ZeRO-3 partitioned
-              at load when the accelerate config says zero3_init_flag), the least-squares K/V init (layer by
+    setup()   the checkpoint to resume from (checked against the recipe before anything expensive; on
+              another world size with the same global batch, see ``distill.elastic``), model (a SwiftKV
+              checkpoint, or a base one converted on the fly; ZeRO-3 partitioned at load when the accelerate
+              config says zero3_init_flag), the least-squares K/V init (layer by
               layer, on every rank), trainable set, gradient checkpointing, data, optimizer, schedule,
               accelerator.prepare, and the resume itself
     loop()    forward (shared lower layers) -> KD loss -> backward -> clip -> step, with accumulation,
@@ -39,25 +40,22 @@ from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
 from .data import build_datasets, check_sources, collate_rows
-from .objective import DistillationObjective, metrics_from_sums
+from .elastic import Resume, ResumeError, elastic_checkpoint, fresh, plan, world_state
+from .objective import DistillationObjective
 from .recipe import Recipe
 
 _RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
 _RESUME_TRAIN_FIELDS = ("micro_batch_size", "grad_accum", "trainable", "lora", "seed")
 
 
-class ResumeError(ValueError):
-    """The checkpoint to resume from does not belong to this recipe."""
-
-
 _DATA_RUNTIME_FIELDS = {"num_proc", "cache_dir", "tokenize_timeout_minutes"}  # how data is built, not what
 
 
-def fingerprint(recipe: Recipe, num_processes: int) -> dict:
+def fingerprint(recipe: Recipe) -> dict:
+    """The recipe fields a checkpoint must match to resume (the world size is not one: see ``distill.elastic``)."""
     fields = {k: getattr(recipe, k).model_dump(mode="json") for k in _RESUME_FIELDS}
     fields["data"] = recipe.data.model_dump(mode="json", exclude=_DATA_RUNTIME_FIELDS)
     fields["train"] = {k: recipe.train.model_dump(mode="json")[k] for k in _RESUME_TRAIN_FIELDS}
-    fields["num_processes"] = num_processes
     return fields
 
 
@@ -179,27 +177,26 @@ def latest_checkpoint(out: Path) -> Path | None:
     return done[-1].parent if done else None
 
 
-def resume_point(recipe: Recipe, num_processes: int) -> tuple[Path | None, int]:
-    """The latest complete checkpoint and its step (``None, 0`` for a fresh start); raises ResumeError when
-    it was written by another recipe or another number of processes."""
+def zero_stage(accelerator: Accelerator) -> int:
+    plugin = accelerator.state.deepspeed_plugin
+    return plugin.zero_stage if plugin is not None else 0
+
+
+def resume_point(recipe: Recipe, num_processes: int, stage: int) -> Resume:
+    """The latest complete checkpoint, its step and this launch's grad_accum (a fresh start without one);
+    raises ResumeError when it was written by another recipe or cannot continue on this launch."""
     ckpt = latest_checkpoint(Path(recipe.output_dir)) if recipe.checkpoint.resume == "auto" else None
     if ckpt is None:
-        return None, 0
+        return fresh(recipe, num_processes)
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    saved, expected = state["fingerprint"], fingerprint(recipe, num_processes)
-    if saved.get("num_processes") != num_processes:
-        raise ResumeError(
-            f"checkpoint {ckpt} was written by {saved.get('num_processes')} processes, this launch has "
-            f"{num_processes} (resuming with another world size is not supported); to resolve, launch with "
-            f"{saved.get('num_processes')} processes, or use a new output_dir or checkpoint.resume=never"
-        )
+    saved, expected = state["fingerprint"], fingerprint(recipe)
     if saved != expected:
         differ = sorted(k for k in expected if saved.get(k) != expected[k])
         raise ResumeError(
             f"checkpoint {ckpt} was written by a different recipe (differs in: {', '.join(differ)}); "
             "to resolve, use a new output_dir or checkpoint.resume=never"
         )
-    return ckpt, state["step"]
+    return plan(ckpt, state, recipe, num_processes, stage)
 
 
 def setup(recipe: Recipe) -> Run:
@@ -221,10 +218,14 @@ def setup(recipe: Recipe) -> Run:
         kwargs_handlers=[group] if multi else [],
     )
     require_ddp_path(recipe.comm, deepspeed, accelerator.num_processes)  # before any expensive work
-    ckpt, start_step = resume_point(recipe, accelerator.num_processes)
+    resume = resume_point(recipe, accelerator.num_processes, zero_stage(accelerator))
+    ckpt, start_step = resume.checkpoint, resume.step
+    accelerator.gradient_accumulation_steps = resume.grad_accum  # the global batch of the checkpoint
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
+        if resume.elastic:
+            ds_plugin.deepspeed_config["checkpoint"] = {"load_universal": True}
         if recipe.train.trainable == "lora" and ds_plugin.zero_stage == 3:
             raise ValueError(
                 "train.trainable=lora is not supported with ZeRO-3 (to resolve, use ZeRO-2 or trainable=swiftkv)"
@@ -263,16 +264,25 @@ def setup(recipe: Recipe) -> Run:
         objective, optimizer, train_loader, eval_loader
     )
     comm = attach_comm_hook(objective, recipe.comm)  # None on one process or DeepSpeed with the default comm
-    if comm is not None:
-        accelerator.register_for_checkpointing(comm)  # residuals and in-flight averages survive a resume
-    steps_per_epoch = max(1, len(train_loader) // recipe.train.grad_accum)
+    steps_per_epoch = max(1, len(train_loader) // accelerator.gradient_accumulation_steps)
     max_steps = recipe.train.max_steps or math.ceil(recipe.train.epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe, max_steps))
-    accelerator.register_for_checkpointing(scheduler)
+    accelerator.register_for_checkpointing(scheduler)  # first: custom_checkpoint_0 on every world size
+    if comm is not None and not resume.elastic:
+        accelerator.register_for_checkpointing(comm)  # residuals and in-flight averages survive a resume
 
     if ckpt is not None:
-        accelerator.load_state(str(ckpt))
+        load_dir = ckpt
+        if resume.elastic:
+            with accelerator.main_process_first():  # the main process converts, the others find it done
+                load_dir = elastic_checkpoint(ckpt)
+            accelerator.print(resume.describe())
+        accelerator.load_state(str(load_dir))
+        if resume.elastic:  # the micro-batch counter placing accumulation boundaries comes from rank i's
+            accelerator.step = start_step * resume.grad_accum  # RNG file, counted at the other world size
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
+    if comm is not None and resume.elastic:
+        accelerator.register_for_checkpointing(comm)  # another world size's per-rank state is not loaded
     scar = _running_checkpoint(recipe, accelerator, objective, optimizer, out, start_step)
     return Run(
         recipe,
@@ -333,7 +343,13 @@ def save_checkpoint(run: Run, step: int) -> None:
     if acc.is_main_process:
         write_json_atomic(
             tmp / "trainer_state.json",
-            {"step": step, "fingerprint": fingerprint(run.recipe, acc.num_processes)},
+            {
+                "step": step,
+                "fingerprint": fingerprint(run.recipe),
+                **world_state(
+                    run.recipe, acc.num_processes, acc.gradient_accumulation_steps, zero_stage(acc)
+                ),
+            },
         )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -344,15 +360,21 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Held-out KL(teacher || student) at T=1, top-1 agreement and both perplexities, over counted tokens."""
+    """Held-out KL(teacher || student) at T=1, top-1 agreement and the training loss, over counted tokens."""
     run.objective.eval()
-    sums = torch.zeros(5, dtype=torch.float64, device=run.accelerator.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=run.accelerator.device)
     for i, (ids, pos, mask) in enumerate(run.eval_loader):
         if i >= run.recipe.log.eval_batches:
             break
         sums += run.objective(ids, pos, mask)["metrics"]
     run.objective.train()
-    return {f"eval_{k}": v for k, v in metrics_from_sums(run.accelerator.reduce(sums, "sum")).items()}
+    sums = run.accelerator.reduce(sums, "sum")
+    n = max(sums[2].item(), 1.0)
+    return {
+        "eval_kl": sums[0].item() / n,
+        "eval_top1_agreement": sums[1].item() / n,
+        "eval_tokens": int(sums[2].item()),
+    }
 
 
 def export(run: Run, metrics: dict) -> Path:
@@ -395,8 +417,9 @@ def loop(run: Run) -> Path:
             log_path.unlink()
     step, tokens, t0 = run.start_step, 0, time.perf_counter()
     epoch_batches = len(run.train_loader)
-    skip = (step * cfg.train.grad_accum) % max(epoch_batches, 1)
-    epoch = (step * cfg.train.grad_accum) // max(epoch_batches, 1)
+    skip = (step * acc.gradient_accumulation_steps) % max(epoch_batches, 1)
+    epoch = (step * acc.gradient_accumulation_steps) // max(epoch_batches, 1)
+    parts = []  # this step's micro-batch losses: the logged loss is their mean, the same on any world size
     initial = evaluate(run) if step == 0 else {}
     if acc.is_main_process and initial:
         with open(log_path, "a") as f:
@@ -417,14 +440,16 @@ def loop(run: Run) -> Path:
                 run.optimizer.step()
                 run.optimizer.zero_grad()
             tokens += int(mask.sum()) * acc.num_processes
+            parts.append(torch.stack([out["loss"].detach(), out["kl"], out["mse"]]))
             if not acc.sync_gradients:
                 continue
+            step_losses, parts = torch.stack(parts).mean(0), []
             run.scheduler.step()
             step += 1
             bar.update(1)
             record = {"step": step, "lr": run.scheduler.get_last_lr()[0]}
             if step % cfg.log.every_steps == 0 or step == run.max_steps:
-                losses = acc.reduce(torch.stack([out["loss"].detach(), out["kl"], out["mse"]]), "mean")
+                losses = acc.reduce(step_losses, "mean")
                 elapsed = time.perf_counter() - t0
                 record.update(
                     loss=losses[0].item(),
