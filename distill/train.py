@@ -283,7 +283,7 @@ def setup(recipe: Recipe) -> Run:
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
     if comm is not None and resume.elastic:
         accelerator.register_for_checkpointing(comm)  # another world size's per-rank state is not loaded
-    scar = _running_checkpoint(recipe, accelerator, objective, optimizer, out, start_step)
+    scar, start_step = _running_checkpoint(recipe, accelerator, objective, optimizer, scheduler, start_step)
     return Run(
         recipe,
         accelerator,
@@ -302,13 +302,29 @@ def setup(recipe: Recipe) -> Run:
 
 
 def _running_checkpoint(
-    recipe: Recipe, accelerator: Accelerator, objective, optimizer, out: Path, start_step: int
-):
+    recipe: Recipe, accelerator: Accelerator, objective, optimizer, scheduler, full_step: int
+) -> tuple[object | None, int]:
     """SCAR's prioritized running checkpoint over the blocks this rank owns (its ZeRO partition, or a share
-    of the trainable parameters); on resume, blocks saved after the full checkpoint move to their latest value."""
+    of the trainable parameters), and the step to resume at.  On resume every rank opens its folder and
+    all ranks decide together (one gather: no rank hangs): any rank's error stops every rank with that
+    line; otherwise the run resumes at the oldest rank's last running save, with every block saved after
+    the full checkpoint at its newest copy, the others (and damaged ones, one warning line) at the full
+    checkpoint's values, and the learning rate and optimizer step counters of that step."""
     if recipe.checkpoint.scar is None:
-        return None
-    from .scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
+        return None, full_step
+    import sys
+
+    from accelerate.utils import gather_object
+
+    from swiftkv.cliargs import one_line
+
+    from .scar.running import (
+        RunningCheckpoint,
+        advance_step_counters,
+        broadcast_from_owners,
+        owned_by_rank,
+        step_counters,
+    )
     from .scar.zero import push_to_model, zero_partitions
 
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -320,16 +336,50 @@ def _running_checkpoint(
             (n, p) for n, p in accelerator.unwrap_model(objective).named_parameters() if p.requires_grad
         ]
         tensors, base_opt = owned_by_rank(trainable, rank, world), optimizer.optimizer
-    scar = RunningCheckpoint(
-        out / "scar", tensors, recipe.checkpoint.scar, base_opt, rank=rank, resume=start_step > 0
-    )
-    if start_step > 0:
-        scar.recover(newer_than=start_step)
-        if zero:
-            push_to_model(optimizer.optimizer)
-        elif world > 1:
-            broadcast_from_owners(trainable, optimizer.optimizer)
-    return scar
+    folder = Path(recipe.output_dir) / "scar"
+    accelerator.wait_for_everyone()
+    ranks = {p.name for p in folder.glob("rank_*")}
+    accelerator.wait_for_everyone()  # every rank has looked before the main process may remove them
+    resume = full_step > 0
+    if ranks and ranks != {f"rank_{r:05d}" for r in range(world)}:  # written on another world size
+        accelerator.print(f"warning: {folder} was written by {len(ranks)} processes: resuming without it")
+        if accelerator.is_main_process:
+            shutil.rmtree(folder)
+        accelerator.wait_for_everyone()
+        resume = False
+    scar, error = None, ""
+    try:
+        scar = RunningCheckpoint(folder, tensors, recipe.checkpoint.scar, base_opt, rank, resume=resume)
+    except (ValueError, OSError) as e:  # a damaged manifest, other block settings than the saved ones
+        error = f"rank {rank}: {one_line(e)}"
+    reports = gather_object([(error, scar.step if scar is not None and scar.step is not None else -1)])
+    errors = [e for e, _ in reports if e]
+    if errors:
+        raise ResumeError(f"running checkpoint not resumable ({errors[0]})")
+    start = max(full_step, min(s for _, s in reports)) if resume else full_step
+    if start == full_step:
+        return scar, full_step
+    counters = step_counters(base_opt)
+    damaged = scar.resume_onto(full_step)
+    if damaged:
+        print(
+            f"warning: rank {rank}: {len(damaged)} running checkpoint block(s) missing or damaged "
+            f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}); taken from the full checkpoint "
+            f"of step {full_step}",
+            file=sys.stderr,
+        )
+    if zero:
+        push_to_model(optimizer.optimizer)
+    elif world > 1:
+        broadcast_from_owners(trainable, optimizer.optimizer)
+    advance_step_counters(base_opt, counters, start - full_step)
+    scheduler.last_epoch = start
+    for group, base_lr, factor in zip(
+        optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base_lr * factor(start)
+    accelerator.print(f"resumed running checkpoint {folder} at step {start}")
+    return scar, start
 
 
 def save_checkpoint(run: Run, step: int) -> None:

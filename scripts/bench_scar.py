@@ -29,8 +29,14 @@ keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch Swift
 from __future__ import annotations
 
 import copy
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from distill.scar.config import ScarConfig
-from distill.scar.faults import damage_blocks, pick_blocks
+from distill.scar.faults import damage_blocks, kill_process, pick_blocks
 from distill.scar.running import RunningCheckpoint
 from swiftkv.artifacts import write_json_atomic
 from swiftkv.cliargs import ArgumentParser, add_out, existing_path, run
@@ -55,8 +61,7 @@ class Problem:
     optimizer: torch.optim.Optimizer
     step: Callable[[], float]  # one optimizer step; returns the loss before it
     loss: Callable[[], float]
-    block: str
-    rows_per_block: int
+    block_bytes: int
 
 
 def lsq_problem(
@@ -85,7 +90,7 @@ def lsq_problem(
         opt.zero_grad()
         return value.item()
 
-    return Problem(params, opt, step, lambda: loss().item(), "tensor", rows)
+    return Problem(params, opt, step, lambda: loss().item(), rows * outputs * 8)  # a block per tensor (fp64)
 
 
 def swiftkv_problem(seed: int, spread: float) -> Problem:
@@ -131,14 +136,14 @@ def swiftkv_problem(seed: int, spread: float) -> Problem:
         with torch.no_grad():
             return objective(ids, pos, mask)["loss"].item()
 
-    return Problem(params, opt, step, loss, "row-block", 16)
+    return Problem(params, opt, step, loss, 16 * 64 * 4)  # blocks of 16 rows
 
 
 PROBLEMS = {"lsq": lsq_problem, "swiftkv": swiftkv_problem}
 
 
 def strategy_config(name: str, problem: Problem, full_every: int, fraction: float) -> ScarConfig:
-    shape = {"block": problem.block, "rows_per_block": problem.rows_per_block}
+    shape = {"block_bytes": problem.block_bytes}
     if name.startswith("full"):
         return ScarConfig(fraction=1.0, every_steps=full_every, **shape)
     return ScarConfig.equal_budget(full_every, fraction, select=name.removeprefix("scar-"), **shape)
@@ -214,10 +219,10 @@ def reduction(costs, base, axis=-1):
     return 1 - numpy.mean(costs, axis=axis) / numpy.mean(base, axis=axis)
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], strategies=STRATEGIES) -> dict:
     base = [r["full+rollback"] for r in rows]
     out = {}
-    for s in STRATEGIES:
+    for s in strategies:
         costs = [r[s] for r in rows]
         ci = scipy.stats.bootstrap(
             (costs, base), reduction, paired=True, method="percentile", n_resamples=2000, random_state=0
@@ -227,10 +232,167 @@ def summarize(rows: list[dict]) -> dict:
             "mean_cost": statistics.fmean(costs),
             "reduction_vs_rollback": float(reduction(costs, base)),
             "reduction_ci95": [ci.low, ci.high],
-            "median_delta": statistics.median(r[f"{s}_delta"] for r in rows),
+            "median_delta": statistics.median(r.get(f"{s}_delta", 0.0) for r in rows),
             "bytes_per_step": statistics.median(r[f"{s}_bytes_per_step"] for r in rows),
         }
     return out
+
+
+TRAINER_STRATEGIES = ("full+rollback", "scar-max-change")
+
+
+def tiny_trainer_run(root: Path, args) -> tuple[Path, dict]:
+    """A tiny random Llama with the embedded SmolLM2 tokenizer and a recipe distilling it on ShareGPT
+    (the real trainer, one process); returns the recipe's base tree."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from swiftkv.assets import model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=None,
+            initializer_range=0.2,
+        )
+    )
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    tree = {
+        "model": {"source": str(root / "model"), "swiftkv": {"num_key_value_layers": 3, "group_size": 1}},
+        "data": {"sources": [{"path": "sharegpt", "max_samples": 300}], "seq_len": 128, "holdout": 0.1},
+        "loss": {"chunk_tokens": 128},
+        "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "linear"},
+        "train": {"micro_batch_size": 4, "max_steps": args.trainer_steps},
+        "checkpoint": {"every_steps": args.full_every, "keep": 1},
+        "log": {"every_steps": 1, "eval_every_steps": 1, "eval_batches": 4},
+    }
+    return root / "model", tree
+
+
+def write_trainer_recipe(path: Path, tree: dict, out: Path, full_every: int, scar: dict | None) -> Path:
+    checkpoint = {**tree["checkpoint"], "every_steps": full_every, **({"scar": scar} if scar else {})}
+    path.write_text(json.dumps({**tree, "output_dir": str(out), "checkpoint": checkpoint}))  # JSON is YAML
+    return path
+
+
+def trainer_env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def held_out(out: Path) -> dict[int, float]:
+    """Held-out KL per step from the run's log (a resumed run's records replace the killed run's)."""
+    curve = {}
+    for line in (out / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval_kl" in record:
+            curve[record["step"]] = record["eval_kl"]
+    final = out / "final_metrics.json"
+    if final.is_file():
+        curve[max(curve) + 1] = json.loads(final.read_text())["eval_kl"]
+    return curve
+
+
+def train_until_killed(recipe: Path, out: Path, step: int) -> None:
+    """Run the trainer and SIGKILL it (from outside) once ``step``'s record is in its log."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distill", str(recipe)],
+        env=trainer_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log, marker = out / "log.jsonl", f'"step": {step}, "lr"'
+    while not (log.is_file() and marker in log.read_text()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run exited ({proc.returncode}) before step {step}")
+        time.sleep(0.005)
+    kill_process(proc.pid)
+    proc.wait()
+
+
+def steps_to_target(curve: dict[int, float], start: int, target: float, last: int) -> tuple[int, bool]:
+    """Steps run after resuming at ``start`` until the held-out KL is back at ``target`` (censored at the
+    end of the run: ``last - start`` and False)."""
+    for step in range(start + 1, last + 1):
+        if curve[step] <= target:
+            return step - start, True
+    return last - start, False
+
+
+def trainer_trial(seed: int, args, root: Path, tree: dict, reference: dict, scar: dict) -> dict:
+    """SIGKILL the SCAR run at a random step, resume it, count the steps until the uninterrupted run's
+    held-out KL at the kill step is reached; full checkpoint + rollback resumes at the last full checkpoint
+    and replays the uninterrupted run exactly (tests/test_distill_train.py), so its cost is read off the
+    reference curve."""
+    gen = torch.Generator().manual_seed(20_000 + seed)
+    last = args.trainer_steps
+    kill = int(torch.randint(args.full_every + 1, last - args.trainer_margin + 1, (1,), generator=gen))
+    out = root / f"trainer-{seed}"
+    recipe = write_trainer_recipe(root / f"trainer-{seed}.yaml", tree, out, 2 * args.full_every, scar)
+    train_until_killed(recipe, out, kill)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "distill", str(recipe)], env=trainer_env(), capture_output=True, text=True
+    )
+    if resumed.returncode:
+        raise RuntimeError(resumed.stderr.strip().splitlines()[-1])
+    start = int(
+        [line for line in resumed.stdout.splitlines() if "resumed" in line][-1].rsplit("at step ", 1)[1]
+    )
+    target = reference[kill]
+    scar_cost, reached = steps_to_target(held_out(out), start, target, last)
+    full = (kill - 1) // args.full_every * args.full_every  # the kill precedes the save of its step
+    rollback, _ = steps_to_target(reference, full, target, last)
+    shutil.rmtree(out)
+    return {
+        "fail_step": kill,
+        "resumed_at": start,
+        "full_checkpoint_step": full,
+        "scar_reached_target": reached,
+        "full+rollback": float(rollback),
+        "scar-max-change": float(scar_cost),
+    }
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def trainer_bench(args, root: Path) -> dict:
+    """The in-loop measurement: a reference run (its held-out curve and checkpoint sizes), then trials."""
+    _, tree = tiny_trainer_run(root, args)
+    scar = {"fraction": args.fraction, "every_steps": args.scar_every, "block_bytes": args.block_bytes}
+    ref = root / "reference"
+    recipe = write_trainer_recipe(root / "reference.yaml", tree, ref, args.full_every, scar)
+    subprocess.run([sys.executable, "-m", "distill", str(recipe)], env=trainer_env(), check=True)
+    reference = held_out(ref)
+    full_bytes = folder_bytes(next((ref / "checkpoints").glob("step_*")))
+    running_bytes = folder_bytes(ref / "scar")  # one copy of every block: what a save of all would write
+    rows = [
+        trainer_trial(seed, args, root, tree, reference, scar)
+        for seed in tqdm(range(args.trials), desc="trainer")
+    ]
+    for row in rows:
+        row["full+rollback_bytes_per_step"] = full_bytes / args.full_every
+        row["scar-max-change_bytes_per_step"] = (
+            full_bytes / (2 * args.full_every) + args.fraction * running_bytes / args.scar_every
+        )
+    return {
+        "rows": rows,
+        "summary": summarize(rows, TRAINER_STRATEGIES),
+        "full_checkpoint_bytes": full_bytes,
+        "running_checkpoint_bytes": running_bytes,
+        "censored": sum(not r["scar_reached_target"] for r in rows),
+    }
 
 
 def build_parser() -> ArgumentParser:
@@ -239,13 +401,19 @@ def build_parser() -> ArgumentParser:
         epilog="examples:\n  python scripts/bench_scar.py --problems lsq --trials 10\n"
         "  flock /tmp/bench.lock python scripts/bench_scar.py --out bench_scar.json",
     )
-    parser.add_argument("--problems", nargs="+", choices=sorted(PROBLEMS), default=["lsq", "swiftkv"])
+    parser.add_argument(
+        "--problems", nargs="+", choices=[*sorted(PROBLEMS), "trainer"], default=["lsq", "swiftkv"]
+    )
     parser.add_argument("--trials", type=int, default=20, help="failures per problem (seeds 0..N-1)")
     parser.add_argument("--full-every", type=int, default=20, help="full checkpoint interval F (steps)")
     parser.add_argument("--fraction", type=float, default=0.25, help="running save fraction f")
     parser.add_argument("--warmup", type=int, default=40, help="first possible failure step")
     parser.add_argument("--spread", type=float, default=2.0, help="lsq: decades of block feature scales")
     parser.add_argument("--cap", type=int, default=500, help="give up recovering after this many steps")
+    parser.add_argument("--trainer-steps", type=int, default=60, help="trainer: steps of each run")
+    parser.add_argument("--trainer-margin", type=int, default=24, help="trainer: no kill in the last N steps")
+    parser.add_argument("--scar-every", type=int, default=2, help="trainer: running save interval (steps)")
+    parser.add_argument("--block-bytes", type=int, default=4096, help="trainer: checkpoint.scar.block_bytes")
     parser.add_argument(
         "--workdir",
         type=existing_path,
@@ -263,6 +431,9 @@ def bench(args) -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "problems": {}}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in args.problems:
+            if name == "trainer":
+                result["problems"][name] = trainer_bench(args, Path(tmp))
+                continue
             rows = [trial(name, seed, args, Path(tmp)) for seed in tqdm(range(args.trials), desc=name)]
             result["problems"][name] = {"rows": rows, "summary": summarize(rows)}
     print(

@@ -330,11 +330,11 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
 def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, block: tensor, select: max-change}"]
+    scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, select: max-change}"]
     kill_when([PY, "-m", "distill", str(recipe), *scar], logged_step(out, 5))
     manifests = list((out / "scar").rglob("manifest.json"))
     assert manifests, "no running checkpoint written"
-    run([PY, "-m", "distill", str(recipe), *scar])  # resumes from step 3 plus the newer running blocks
+    run([PY, "-m", "distill", str(recipe), *scar])  # resumes at the running checkpoint's step 4
     assert (out / "model" / "model.safetensors").is_file()
 
 

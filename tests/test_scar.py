@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from distill.scar.blocks import make_blocks
+from distill.scar.blocks import MAX_BLOCKS, make_blocks
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, pick_blocks, truncate_file
 from distill.scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
@@ -88,11 +88,11 @@ def test_writer_killed_mid_save_leaves_a_loadable_state(tmp_path, kill, expect):
     assert files == {"manifest.json"} | {e["file"] for e in ckpt.entries.values()}  # orphans removed
 
 
-@pytest.mark.parametrize("block", ["tensor", "row-block"])
-def test_partial_recovery_restores_exactly_the_lost_blocks(tmp_path, block):
+@pytest.mark.parametrize("block_bytes", [16 << 20, 384])  # whole tensors up to the budget; row slices
+def test_partial_recovery_restores_exactly_the_lost_blocks(tmp_path, block_bytes):
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = ScarConfig(fraction=0.5, every_steps=2, block=block, rows_per_block=8)
+    cfg = ScarConfig(fraction=0.5, every_steps=2, block_bytes=block_bytes)
     ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt)
     at_save: dict[str, tuple[dict, dict]] = {}
     for step in range(9):
@@ -130,18 +130,21 @@ def test_max_change_writes_the_blocks_that_moved_most_and_all_blocks_stay_held(t
 
 def test_max_change_ranks_by_squared_change_per_byte_within_the_byte_budget(tmp_path):
     params = {"big": torch.zeros(8, 4), **{f"s{i}": torch.zeros(1, 4) for i in range(4)}}
-    ckpt = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))  # 48 of 192 bytes
+    params["pad"] = torch.zeros(16, 4)  # 256 bytes: more than one save's budget, so two blocks of 8 rows
+    cfg = ScarConfig(fraction=0.3, every_steps=1)  # 134 of 448 bytes per save
+    ckpt = RunningCheckpoint(tmp_path, params, cfg)
+    assert [b.id for b in ckpt.blocks][-2:] == ["pad[0:8]", "pad[8:16]"]
     ckpt.maybe_save(0)
     for name, move in {"big": 1.0, "s0": 2.0, "s1": 0.1, "s2": 3.0, "s3": 1.5}.items():
         params[name] += move
     # squared change per byte: s2 2.25, s0 1.0, s3 0.56, big 0.25, s1 0.0025; big has the 2nd largest norm
     assert ckpt.maybe_save(1) == ["s0", "s2", "s3"]
-    assert [ckpt.maybe_save(s) for s in (2, 3)] == [[], []]  # big (128 bytes) comes next: save up for it
-    assert ckpt.credit == 96
-    assert ckpt.maybe_save(4) == ["big", "s1"]  # 144 bytes: big, then s1 fits in what is left
-    assert ckpt.credit == 0 and ckpt.change_norms() == dict.fromkeys(params, 0.0)
-    reopened = RunningCheckpoint(tmp_path, params, ScarConfig(fraction=0.25, every_steps=1))
-    assert set(reopened.entries) == set(params) and reopened.credit == ckpt.credit
+    assert ckpt.credit == 134 - 48  # big (128 bytes) comes next: the rest is saved up for it
+    # 220 bytes: big, then s1 and the unchanged small blocks fit in what is left; a pad block does not
+    assert ckpt.maybe_save(2) == ["big", "s0", "s1", "s2", "s3"]
+    assert ckpt.credit == 220 - 128 - 64 and ckpt.change_norms() == dict.fromkeys(ckpt._index, 0.0)
+    reopened = RunningCheckpoint(tmp_path, params, cfg)
+    assert set(reopened.entries) == set(ckpt._index) and reopened.credit == ckpt.credit
 
 
 def test_max_change_measures_change_in_adams_preconditioned_norm(tmp_path):
@@ -164,13 +167,13 @@ def test_max_change_measures_change_in_adams_preconditioned_norm(tmp_path):
 def test_byte_budget_bounds_each_save_and_is_spent_exactly_over_time(tmp_path, select):
     model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 6))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = ScarConfig(fraction=0.25, every_steps=1, block="row-block", rows_per_block=16, select=select)
+    cfg = ScarConfig(fraction=0.25, every_steps=1, block_bytes=720, select=select)  # 15 rows
     ckpt = RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt)
     train_steps(model, opt, 1)  # Adam's state exists from here on
     assert ckpt.maybe_save(0) == [b.id for b in ckpt.blocks]
     sizes = ckpt.block_bytes()
     # values + exp_avg + exp_avg_sq rows, and the scalar step: optimizer state is part of the budget
-    assert sizes["0.weight[0:16]"] == 3 * 16 * 12 * 4 + 4 and sizes["0.weight[32:40]"] == 3 * 8 * 12 * 4 + 4
+    assert sizes["0.weight[0:15]"] == 3 * 15 * 12 * 4 + 4 and sizes["0.weight[30:40]"] == 3 * 10 * 12 * 4 + 4
     share = round(0.25 * sum(sizes.values()))
     spent = 0
     for step in range(1, 41):
@@ -218,7 +221,7 @@ def test_full_recovery_of_a_full_save_continues_bit_identically(tmp_path):
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, opt, 3)
-    cfg = ScarConfig(fraction=1, every_steps=1, block="row-block", rows_per_block=5)
+    cfg = ScarConfig(fraction=1, every_steps=1, block_bytes=288)  # 6 rows of 12 floats
     RunningCheckpoint(tmp_path, dict(model.named_parameters()), cfg, opt).save(3)
     train_steps(model, opt, 4, seed=7)
     reference, _ = snapshot(model, opt)
@@ -249,8 +252,8 @@ def test_corrupt_file_is_detected_refused_and_healed(tmp_path):
 
 
 def test_nan_blocks_are_detected_and_recovered(tmp_path):
-    params = {"a": torch.randn(20, 3), "b": torch.randn(7)}
-    cfg = ScarConfig(block="row-block", rows_per_block=8, every_steps=1)
+    params = {"a": torch.randn(20, 8), "b": torch.randn(7)}
+    cfg = ScarConfig(fraction=1, block_bytes=256, every_steps=1)  # 8 rows
     ckpt = RunningCheckpoint(tmp_path, params, cfg)
     ckpt.maybe_save(0)
     kept = params["a"].clone()
@@ -288,7 +291,7 @@ def _ddp_rank(rank: int, root: str, world: int) -> None:
     model = tiny_model(seed=0)  # identical replicas
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, opt, 3)
-    cfg = ScarConfig(fraction=1, every_steps=1, block="row-block", rows_per_block=8)
+    cfg = ScarConfig(fraction=1, every_steps=1, block_bytes=384)
     named = list(model.named_parameters())
     RunningCheckpoint(root, owned_by_rank(named, rank, world), cfg, opt, rank=rank).save(3)
     expected = snapshot(model, opt)
@@ -334,7 +337,7 @@ for stage in (2, 3):
     for _ in range(3):
         step()
     parts, base = zero_partitions(opt)
-    cfg = ScarConfig(block="row-block", rows_per_block=100, fraction=0.5, every_steps=1)
+    cfg = ScarConfig(block_bytes=400, fraction=0.5, every_steps=1)
     ckpt = RunningCheckpoint(tempfile.mkdtemp(), parts, cfg, base)
     ckpt.maybe_save(3)
     local = (lambda p: p.ds_tensor) if stage == 3 else (lambda p: p)
@@ -399,9 +402,36 @@ def test_config_errors_name_the_input_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="unknown block or parameter"):
         RunningCheckpoint(tmp_path, {"x": torch.zeros(2)}, ScarConfig()).recover({"y"})
     assert [
-        b.id for b in make_blocks({"x": torch.zeros(5, 2)}, ScarConfig(block="row-block", rows_per_block=2))
+        b.id for b in make_blocks({"x": torch.zeros(5, 64)}, ScarConfig(fraction=1, block_bytes=512))
     ] == [
         "x[0:2]",
         "x[2:4]",
         "x[4:5]",
     ]
+    with pytest.raises(ValueError, match="block was replaced by block_bytes .*; to resolve"):
+        ScarConfig(block="row-block", rows_per_block=64)
+    with pytest.raises(ValueError, match="block_bytes"):
+        ScarConfig(block_bytes=16)
+
+
+@pytest.mark.parametrize("stage_elements", [8_000_000_000 // 8, 70_000_000_000 // 64, 3_000_000])
+def test_blocks_are_sized_in_bytes_bounded_in_count_and_inside_one_saves_budget(stage_elements):
+    """A ZeRO flat partition of an 8B model on 8 ranks, of a 70B one on 64, and a small one: at most
+    MAX_BLOCKS files however many elements, none larger than one save's budget, about block_bytes when
+    the count allows it, and they tile the partition."""
+    partition = {"zero_partition_0": torch.empty(stage_elements, device="meta")}
+    total = stage_elements * 4
+    for cfg in (
+        ScarConfig(),
+        ScarConfig(block_bytes=1 << 20),
+        ScarConfig(fraction=0.01, block_bytes=1 << 30),
+    ):
+        blocks = make_blocks(partition, cfg)
+        sizes = [4 * (b.stop - b.start) for b in blocks]
+        assert len(blocks) <= MAX_BLOCKS and max(sizes) <= cfg.fraction * total
+        assert blocks[0].start == 0 and blocks[-1].stop == stage_elements
+        assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:], strict=False))
+        if total / cfg.block_bytes <= MAX_BLOCKS / 2 and cfg.block_bytes <= cfg.fraction * total:
+            assert max(sizes) == cfg.block_bytes  # the asked size when nothing bounds it
+    many = {f"t{i}": torch.empty(100, 64, device="meta") for i in range(300)}  # 300 tensors of 25 kB
+    assert len(make_blocks(many, ScarConfig(block_bytes=256))) <= MAX_BLOCKS

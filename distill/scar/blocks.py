@@ -1,9 +1,12 @@
 """Parameter blocks: the unit that the running checkpoint selects, writes and restores.
 
-A block is a whole named tensor (``block=tensor``) or a slice of ``rows_per_block`` rows along dim 0
-(``block=row-block``; a 1-D tensor such as a ZeRO flat partition is sliced by elements).  A block's payload
-is its parameter values plus the matching slice of the optimizer state for that parameter: state tensors of
-the parameter's shape are sliced like it, scalar state (Adam's ``step``) is stored whole with every block.
+A block is a slice of whole rows along dim 0 of one named tensor (a 1-D tensor such as a ZeRO flat partition
+is sliced by elements), about ``block_bytes`` of parameter values, or the whole tensor when it is smaller.
+The size is raised until a rank has at most ``MAX_BLOCKS`` blocks (so a save never writes more files than
+that, however large the partition) and capped at one save's budget (``fraction`` of all the bytes), so that
+every block fits a save.  A block's payload is its parameter values plus the matching slice of the optimizer
+state for that parameter: state tensors of the parameter's shape are sliced like it, scalar state (Adam's
+``step``) is stored whole with every block.
 """
 
 from __future__ import annotations
@@ -30,16 +33,45 @@ class Block:
         return tensor if tensor.dim() == 0 else tensor[self.start : self.stop]
 
 
+MAX_BLOCKS = 1000  # per rank: bounds the files (and fsyncs) of one save
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return max(1, tensor.numel() * tensor.element_size() // max(1, rows))
+
+
+def _rows_per_block(tensor: torch.Tensor, size: int) -> int:
+    return max(1, size // _row_bytes(tensor))
+
+
+def _count(params: Mapping[str, torch.Tensor], size: int) -> int:
+    return sum(-(-(t.shape[0] if t.dim() else 1) // _rows_per_block(t, size)) for t in params.values())
+
+
+def block_size(params: Mapping[str, torch.Tensor], config: ScarConfig) -> int:
+    """The parameter bytes per block: ``block_bytes``, doubled while the rank would have more than
+    ``MAX_BLOCKS`` blocks, and at most ``fraction`` of all the bytes (one save's budget).  More tensors than
+    ``MAX_BLOCKS`` (whole tensors are never merged) leave more blocks than that."""
+    total = sum(t.numel() * t.element_size() for t in params.values())
+    budget = max(1, int(config.fraction * total))
+    size = min(config.block_bytes, budget)
+    while size < budget and _count(params, size) > MAX_BLOCKS:
+        size = min(2 * size, budget)
+    return size
+
+
 def make_blocks(params: Mapping[str, torch.Tensor], config: ScarConfig) -> list[Block]:
-    """Split named tensors into blocks, in the order given."""
+    """Split named tensors into blocks of ``block_size`` bytes of whole rows, in the order given."""
+    size = block_size(params, config)
     blocks = []
     for name, tensor in params.items():
-        rows = tensor.shape[0] if tensor.dim() else 1
-        if config.block == "tensor" or rows <= config.rows_per_block:
+        rows, step = (tensor.shape[0] if tensor.dim() else 1), _rows_per_block(tensor, size)
+        if rows <= step:
             blocks.append(Block(name, name, 0, rows))
             continue
-        for start in range(0, rows, config.rows_per_block):
-            stop = min(rows, start + config.rows_per_block)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
             blocks.append(Block(f"{name}[{start}:{stop}]", name, start, stop))
     return blocks
 

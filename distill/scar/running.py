@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from numbers import Number
 from pathlib import Path
 
 import torch
@@ -64,6 +65,8 @@ class RunningCheckpoint:
         self.cursor = 0  # round-robin position
         self.credit = 0  # bytes of budget left over from earlier saves
         self.version = 0  # number of completed saves
+        self.step: int | None = None  # step of the last completed save (from the manifest on resume)
+        self.corrupt: set[str] = set()  # blocks the manifest names whose file is missing or damaged
         self.bytes_written = 0
         if not resume:
             (self.folder / MANIFEST).unlink(missing_ok=True)  # first: the old state is gone as a whole
@@ -82,10 +85,12 @@ class RunningCheckpoint:
                 "to resolve, use the same parameters and block settings, or a new folder"
             )
         self.cursor, self.credit, self.version = manifest["cursor"], manifest["credit"], manifest["version"]
+        self.step = manifest["step"]
         for bid, entry in manifest["blocks"].items():
             try:
                 payload = read_block(self.folder, entry)
             except CorruptBlockError:
+                self.corrupt.add(bid)
                 continue  # no valid copy: written first at the next save
             self._check_shape(self.blocks[self._index[bid]], payload)
             self.saved[bid], self.entries[bid] = payload[PARAM], entry
@@ -189,7 +194,8 @@ class RunningCheckpoint:
             values[bid] = payload[PARAM]
         superseded = [self.entries[bid]["file"] for bid in ids if bid in self.entries]
         self.entries.update(written)
-        self.version += 1
+        self.version, self.step = self.version + 1, step
+        self.corrupt -= set(ids)
         write_manifest(
             self.folder,
             {
@@ -251,6 +257,14 @@ class RunningCheckpoint:
             self.saved[b.id] = payload[PARAM]
         return [b.id for b in blocks]
 
+    def resume_onto(self, full_step: int) -> list[str]:
+        """On top of a full checkpoint of ``full_step`` (already loaded into the live tensors), move every
+        block saved after it to its newest copy; return the blocks that would have had one but whose file
+        is missing or damaged (they keep the full checkpoint's values)."""
+        newer = [bid for bid, entry in self.entries.items() if entry["step"] > full_step]
+        self.recover(newer)
+        return sorted(self.corrupt, key=self._index.__getitem__)
+
     def detect_corrupt(self) -> set[str]:
         """Blocks whose saved copy is missing, truncated or fails its checksum (re-reads every file)."""
         bad = set()
@@ -264,6 +278,29 @@ class RunningCheckpoint:
     def detect_nonfinite(self) -> set[str]:
         """Live blocks holding NaN or infinite values (a fault signal for ``recover``)."""
         return {b.id for b in self.blocks if not torch.isfinite(b.rows(self.params[b.name].detach())).all()}
+
+
+@torch.no_grad()
+def advance_step_counters(optimizer: torch.optim.Optimizer, counters: Mapping[int, object], by: int) -> None:
+    """Set each parameter's optimizer step counter (Adam's ``step``) to its value in ``counters`` (from
+    ``step_counters`` before a recovery) plus ``by`` steps: after a resume at a later step than the full
+    checkpoint, every block's bias correction is that of the resumed step."""
+    for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        state = optimizer.state.get(param, {})
+        if index not in counters or "step" not in state:
+            continue
+        base = counters[index]
+        state["step"] = base + by if isinstance(base, Number) else (base + by).to(state["step"])
+
+
+def step_counters(optimizer: torch.optim.Optimizer) -> dict[int, object]:
+    """Each parameter's optimizer step counter, by position in the parameter groups (copies)."""
+    out = {}
+    for index, param in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        step = optimizer.state.get(param, {}).get("step")
+        if step is not None:
+            out[index] = step.clone() if isinstance(step, torch.Tensor) else step
+    return out
 
 
 def owners(named: Iterable[tuple[str, torch.Tensor]], world_size: int) -> dict[str, int]:
