@@ -309,7 +309,8 @@ def _running_checkpoint(
     all ranks decide together (one gather: no rank hangs): any rank's error stops every rank with that
     line; otherwise the run resumes at the oldest rank's last running save, with every block saved after
     the full checkpoint at its newest copy, the others (and damaged ones, one warning line) at the full
-    checkpoint's values, and the learning rate and optimizer step counters of that step."""
+    checkpoint's values, and the learning rate and optimizer step counters of that step.  Without a full
+    checkpoint the base is the fresh start (step 0), and the folder's ``recipe.json`` must match."""
     if recipe.checkpoint.scar is None:
         return None, full_step
     import sys
@@ -339,14 +340,22 @@ def _running_checkpoint(
     folder = Path(recipe.output_dir) / "scar"
     accelerator.wait_for_everyone()
     ranks = {p.name for p in folder.glob("rank_*")}
-    accelerator.wait_for_everyone()  # every rank has looked before the main process may remove them
-    resume = full_step > 0
-    if ranks and ranks != {f"rank_{r:05d}" for r in range(world)}:  # written on another world size
+    written_by = (
+        json.loads((folder / "recipe.json").read_text()) if (folder / "recipe.json").is_file() else None
+    )
+    accelerator.wait_for_everyone()  # every rank has looked before the main process may change them
+    resume = recipe.checkpoint.resume == "auto" and bool(ranks)
+    if resume and ranks != {f"rank_{r:05d}" for r in range(world)}:  # written on another world size
         accelerator.print(f"warning: {folder} was written by {len(ranks)} processes: resuming without it")
         if accelerator.is_main_process:
             shutil.rmtree(folder)
         accelerator.wait_for_everyone()
         resume = False
+    if resume and written_by != fingerprint(recipe) and (written_by is not None or full_step == 0):
+        raise ResumeError(
+            f"running checkpoint {folder} was written by a different recipe; to resolve, use a new "
+            "output_dir or checkpoint.resume=never"
+        )
     scar, error = None, ""
     try:
         scar = RunningCheckpoint(folder, tensors, recipe.checkpoint.scar, base_opt, rank, resume=resume)
@@ -356,6 +365,8 @@ def _running_checkpoint(
     errors = [e for e, _ in reports if e]
     if errors:
         raise ResumeError(f"running checkpoint not resumable ({errors[0]})")
+    if accelerator.is_main_process:
+        write_json_atomic(folder / "recipe.json", fingerprint(recipe))
     start = max(full_step, min(s for _, s in reports)) if resume else full_step
     if start == full_step:
         return scar, full_step
@@ -365,7 +376,7 @@ def _running_checkpoint(
         print(
             f"warning: rank {rank}: {len(damaged)} running checkpoint block(s) missing or damaged "
             f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}); taken from the full checkpoint "
-            f"of step {full_step}",
+            f"of step {full_step}" + (" (the fresh start)" if full_step == 0 else ""),
             file=sys.stderr,
         )
     if zero:

@@ -269,12 +269,12 @@ def tiny_trainer_run(root: Path, args) -> tuple[Path, dict]:
     tokenizer.save_pretrained(root / "model")
     tree = {
         "model": {"source": str(root / "model"), "swiftkv": {"num_key_value_layers": 3, "group_size": 1}},
-        "data": {"sources": [{"path": "sharegpt", "max_samples": 300}], "seq_len": 128, "holdout": 0.1},
-        "loss": {"chunk_tokens": 128},
+        "data": {"sources": [{"path": "sharegpt", "max_samples": 200}], "seq_len": 96, "holdout": 0.1},
+        "loss": {"chunk_tokens": 96},
         "optim": {"lr": 3e-3, "warmup_ratio": 0.0, "schedule": "linear"},
-        "train": {"micro_batch_size": 4, "max_steps": args.trainer_steps},
+        "train": {"micro_batch_size": 2, "max_steps": args.trainer_steps},
         "checkpoint": {"every_steps": args.full_every, "keep": 1},
-        "log": {"every_steps": 1, "eval_every_steps": 1, "eval_batches": 4},
+        "log": {"every_steps": 1, "eval_every_steps": 1, "eval_batches": 2},
     }
     return root / "model", tree
 
@@ -336,7 +336,7 @@ def trainer_trial(seed: int, args, root: Path, tree: dict, reference: dict, scar
     reference curve."""
     gen = torch.Generator().manual_seed(20_000 + seed)
     last = args.trainer_steps
-    kill = int(torch.randint(args.full_every + 1, last - args.trainer_margin + 1, (1,), generator=gen))
+    kill = int(torch.randint(2, last - args.trainer_margin + 1, (1,), generator=gen))
     out = root / f"trainer-{seed}"
     recipe = write_trainer_recipe(root / f"trainer-{seed}.yaml", tree, out, 2 * args.full_every, scar)
     train_until_killed(recipe, out, kill)
@@ -410,8 +410,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--warmup", type=int, default=40, help="first possible failure step")
     parser.add_argument("--spread", type=float, default=2.0, help="lsq: decades of block feature scales")
     parser.add_argument("--cap", type=int, default=500, help="give up recovering after this many steps")
-    parser.add_argument("--trainer-steps", type=int, default=60, help="trainer: steps of each run")
-    parser.add_argument("--trainer-margin", type=int, default=24, help="trainer: no kill in the last N steps")
+    parser.add_argument("--trainer-steps", type=int, default=32, help="trainer: steps of each run")
+    parser.add_argument("--trainer-margin", type=int, default=12, help="trainer: no kill in the last N steps")
     parser.add_argument("--scar-every", type=int, default=2, help="trainer: running save interval (steps)")
     parser.add_argument("--block-bytes", type=int, default=4096, help="trainer: checkpoint.scar.block_bytes")
     parser.add_argument(

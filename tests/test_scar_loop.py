@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from test_distill_train import PY, kill_when, logged_step, losses, run, write_recipe
+from test_distill_train import PY, ROOT, env, kill_when, launch, logged_step, losses, run, write_recipe
 
 from distill.scar.faults import truncate_file
 
@@ -26,16 +27,16 @@ def manifests(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_resume_continues_from_the_running_checkpoint_step(tiny_chat_model, chat_data, tmp_path):
-    """A running checkpoint of every block each step: after SIGKILL at step 5 (full checkpoint at 3) the run
-    resumes at the running save's step and continues with the uninterrupted run's losses (data order,
-    learning rate and Adam's step counters of that step); a corrupt block file falls back to the full
-    checkpoint with one warning line."""
+    """A running checkpoint of every block each step: after SIGKILL at step 5 (no full checkpoint yet) the
+    run resumes at the running save's step and continues with the uninterrupted run's losses (data order,
+    learning rate and Adam's step counters of that step); with a full checkpoint at step 3, a corrupt block
+    file falls back to it with one warning line."""
     ref = tmp_path / "reference"
     run([PY, "-m", "distill", str(write_recipe(tmp_path, tiny_chat_model, chat_data, ref)), SCHEDULE])
     reference = losses(ref)
 
-    out = tmp_path / "killed"
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
+    out = tmp_path / "killed"  # no full checkpoint before the kill: the running checkpoint alone resumes
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=10)
     kill_when([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE], logged_step(out, 5))
     saved = manifests(out)[0]["step"]
     assert saved >= 4
@@ -76,3 +77,28 @@ def test_switching_scar_on_or_changing_its_blocks_on_resume(tiny_chat_model, cha
     error = result.stderr.strip().splitlines()
     assert error[-1].startswith("error: ") and "block" in error[-1] and "to resolve" in error[-1]
     assert not (out / "model").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_two_process_zero1_bf16_resume_and_a_failing_rank(tiny_chat_model, chat_data, tmp_path):
+    """ZeRO-1 with bf16 (DeepSpeed's BF16_Optimizer) on 2 processes: a rank whose running checkpoint cannot be
+    read stops both ranks with the same one-line error (no rank waits in a collective); once repaired, the run
+    resumes at the running checkpoint's step and finishes."""
+    out = tmp_path / "zero1"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, mixed_precision="bf16")
+    cmd = launch("cpu_2proc_zero1", recipe, SCAR, SCHEDULE)
+    kill_when(cmd, logged_step(out, 5))
+    saved = min(m["step"] for m in manifests(out))
+    assert saved >= 4 and len(manifests(out)) == 2
+    manifest = out / "scar" / "rank_00001" / "manifest.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(good[: len(good) // 2])  # a torn write of rank 1's manifest
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: running checkpoint")]
+    assert result.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]
+    assert "rank 1" in errors[0] and not (out / "model").exists()
+    manifest.write_bytes(good)
+    result = run(cmd)
+    assert resumed_step(result) == saved
+    assert (out / "model" / "model.safetensors").is_file()
