@@ -14,7 +14,12 @@ import torch
 from distill.scar.blocks import MAX_BLOCKS, make_blocks
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, pick_blocks, truncate_file
-from distill.scar.running import RunningCheckpoint, broadcast_from_owners, owned_by_rank
+from distill.scar.running import (
+    RunningCheckpoint,
+    advance_step_counters,
+    broadcast_from_owners,
+    owned_by_rank,
+)
 from distill.scar.store import CorruptBlockError
 
 
@@ -435,3 +440,27 @@ def test_blocks_are_sized_in_bytes_bounded_in_count_and_inside_one_saves_budget(
             assert max(sizes) == cfg.block_bytes  # the asked size when nothing bounds it
     many = {f"t{i}": torch.empty(100, 64, device="meta") for i in range(300)}  # 300 tensors of 25 kB
     assert len(make_blocks(many, ScarConfig(block_bytes=256))) <= MAX_BLOCKS
+
+
+def test_resume_onto_a_full_checkpoint_takes_newer_blocks_and_reports_damaged_ones(tmp_path):
+    params = {n: torch.nn.Parameter(torch.zeros(4, 64)) for n in ("a", "b", "c")}
+    opt = torch.optim.Adam(params.values())
+    cfg = ScarConfig(fraction=1 / 3, every_steps=1, block_bytes=1024)
+    ckpt = RunningCheckpoint(tmp_path, params, cfg, opt)
+    ckpt.maybe_save(1)
+    for step, name in ((2, "a"), (3, "b")):  # a and b move and are saved after the full checkpoint (step 1)
+        with torch.no_grad():
+            params[name] += step
+        assert ckpt.maybe_save(step) == [name]
+    truncate_file(ckpt.folder / ckpt.entries["b"]["file"])
+    with torch.no_grad():  # the restarted process: the full checkpoint of step 1 loaded
+        for p in params.values():
+            p.zero_()
+    reopened = RunningCheckpoint(tmp_path, params, cfg, opt)
+    assert reopened.step == 3 and reopened.resume_onto(full_step=1) == ["b"]
+    assert params["a"].eq(2).all() and params["b"].eq(0).all() and params["c"].eq(0).all()
+    counters = {0: torch.tensor(5.0), 2: 7}
+    for p in params.values():
+        opt.state[p]["step"] = torch.tensor(0.0)
+    advance_step_counters(opt, counters, 2)
+    assert [opt.state[p]["step"].item() for p in params.values()] == [7.0, 0.0, 9.0]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from numbers import Number
 from pathlib import Path
 
 import torch
@@ -289,8 +288,11 @@ def advance_step_counters(optimizer: torch.optim.Optimizer, counters: Mapping[in
         state = optimizer.state.get(param, {})
         if index not in counters or "step" not in state:
             continue
-        base = counters[index]
-        state["step"] = base + by if isinstance(base, Number) else (base + by).to(state["step"])
+        value, current = counters[index] + by, state["step"]
+        if isinstance(current, torch.Tensor):  # keep the live counter's kind (a tensor, maybe on a device)
+            state["step"] = torch.as_tensor(value, dtype=current.dtype).to(current.device)
+        else:
+            state["step"] = value.item() if isinstance(value, torch.Tensor) else value
 
 
 def step_counters(optimizer: torch.optim.Optimizer) -> dict[int, object]:
