@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import kernels
 from .cache import ATTN_IMPLEMENTATION, TaleLayer, observed_rows
 
 QUERY_CHUNK = 512
@@ -105,8 +105,7 @@ def _probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling
         needs_mask = not bool(comp_allowed.all())
         q_basis = qf @ layer.key_map  # (b, h, g*q, d): queries in the key basis
         for t in tiers:
-            coeffs = quant.dequantize(layer.tier_k[t])
-            tier_scores = q_basis[..., : coeffs.shape[-1]] @ coeffs.transpose(-1, -2)
+            tier_scores = kernels.tier_scores(q_basis[..., : layer.tier_k[t].rank], layer.tier_k[t])
             if needs_mask:
                 pos = layer.tier_positions(t).unsqueeze(2).expand(b, h, g * q, -1)
                 tier_scores = tier_scores.masked_fill(
@@ -134,8 +133,7 @@ def _attend_chunk(
     if tiers:
         folded = out.new_zeros(b, h, g * q, layer.value_map.shape[-1])
         for t, p in zip(tiers, probs[1:], strict=True):
-            coeffs = quant.dequantize(layer.tier_v[t])
-            folded[..., : coeffs.shape[-1]] += p @ coeffs
+            folded[..., : layer.tier_v[t].rank] += kernels.tier_values(p, layer.tier_v[t])
         out = out + folded @ layer.value_map.transpose(-1, -2)
     return out.reshape(b, hq, q, -1)
 

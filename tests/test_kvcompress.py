@@ -273,3 +273,19 @@ def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2, sharegpt):
     assert fp16_kv_bytes(model.config, 639) / cache.nbytes() > 2.5  # the exact window is fp32 here
     # held-out text (the calibration reads only the train split): +14% perplexity and 0.91 agreement measured
     assert ppl_ratio < 1.2 and scores["agree"] / scores["n"] > 0.85
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [None, 8])
+def test_fused_kernels_equal_dequantize_then_matmul(bits, group_size):
+    from kvcompress import kernels
+
+    pytest.importorskip("numba")
+    torch.manual_seed(0)
+    tier = quantize(torch.randn(2, 3, 37, 16) * torch.linspace(0.1, 4, 16), bits, group_size)
+    q, p = torch.randn(2, 3, 5, 16), torch.softmax(torch.randn(2, 3, 5, 37), -1)
+    coeffs = dequantize(tier)
+    torch.testing.assert_close(
+        kernels.tier_scores(q, tier), q @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(kernels.tier_values(p, tier), p @ coeffs, atol=1e-5, rtol=1e-4)
