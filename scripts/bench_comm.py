@@ -3,7 +3,9 @@
 W CPU processes on gloo train the same small MLP student on a random-teacher regression task (each rank its
 own data stream, a fixed held-out set).  Part 1: all-reduce runs ``--steps`` steps and its final held-out
 loss is the target; every other hook runs until it reaches that loss (at most 3x the steps), and the table
-reports the bytes it sent until then against all-reduce's.  Part 2: with bounded staleness s, SGD with a
+reports the bytes per step and the bytes it sent until then against all-reduce's.  PowerSGD is compared at
+equal bytes per step: for each ``--powersgd-ranks`` rank, a managed run gets the budget whose bytes per step
+match that rank's measured steady-state bytes per step (``managed ~powersgd r=R``).  Part 2: with bounded staleness s, SGD with a
 fixed or a 1/sqrt(t) step size over a grid of step sizes vs AdaRevision at one untuned step size; the table
 reports the final held-out loss.  Repeats are interleaved over the configurations (one seed per repeat);
 the table shows medians.
@@ -79,6 +81,7 @@ def train_one(task: Task, comm: CommConfig, make_opt, max_steps: int, target: fl
         "loss": loss,
         "reached": target is None or loss <= target,
         "bytes": state.bytes_sent,
+        "step_bytes": state.last_step_bytes,  # steady state (PowerSGD's first steps are plain all-reduce)
         "seconds": time.perf_counter() - t0,
     }
 
@@ -96,9 +99,18 @@ def _adarevision(lr: float, delay: int):
     return lambda params: (AdaRevision(params, lr=lr, delay=delay), None)
 
 
+def matched_budget(payload_bytes: float, numel: int, block_size: int) -> float:
+    """The managed (relative-magnitude) budget whose payload per step comes closest to ``payload_bytes``: it
+    all-reduces one float32 score per block, then k blocks of float32 values."""
+    blocks = math.ceil(numel / block_size)
+    k = round((payload_bytes / 4 - blocks) / block_size)
+    return min(blocks, max(1, k)) / blocks
+
+
 def comm_configs(budgets: list[float]) -> list[tuple[str, CommConfig]]:
-    """all-reduce, PowerSGD, managed relative-magnitude at every budget, the other priorities at the first."""
-    out = [("allreduce", CommConfig()), ("powersgd r=1", CommConfig(hook="powersgd"))]
+    """all-reduce, managed relative-magnitude at every budget, the other priorities at the first (the
+    PowerSGD pairs are added by the worker, whose budgets depend on PowerSGD's measured bytes)."""
+    out = [("allreduce", CommConfig())]
     for b in budgets:
         out.append((f"managed {b:g} relative-magnitude", CommConfig(hook="managed", budget=b)))
     for prio in ("magnitude", "random", "fifo"):
@@ -127,6 +139,18 @@ def _worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str
         for name, cfg in comm_configs(args.budgets)[1:]:
             res = train_one(task, cfg, momentum_sgd, 3 * args.steps, base["loss"])
             rows.append({"part": "comm", "name": name, "repeat": rep, **res})
+        numel = sum(p.numel() for p in _mlp(0).parameters())
+        for r in args.powersgd_ranks:
+            cfg = CommConfig(hook="powersgd", powersgd_rank=r)
+            res = train_one(task, cfg, momentum_sgd, 3 * args.steps, base["loss"])
+            rows.append({"part": "comm", "name": f"powersgd r={r}", "repeat": rep, **res})
+            ring = base["step_bytes"] / (4 * numel)  # wire bytes per payload byte, the same for every hook
+            budget = matched_budget(res["step_bytes"] / ring, numel, CommConfig().block_size)
+            cfg = CommConfig(hook="managed", budget=budget)
+            res = train_one(task, cfg, momentum_sgd, 3 * args.steps, base["loss"])
+            rows.append(
+                {"part": "comm", "name": f"managed ~powersgd r={r}", "repeat": rep, "budget": budget, **res}
+            )
         stale = CommConfig(staleness=args.staleness)
         for name, make in stale_configs(args.staleness, args.grid, args.ada_lr):
             rows.append(
@@ -161,6 +185,9 @@ def summarize(rows: list[dict]) -> dict:
             "repeats": len(mine),
         }
         if part == "comm":
+            entry["kbytes_per_step"] = statistics.median(r["step_bytes"] for r in mine) / 1e3
+            if "budget" in mine[0]:
+                entry["name"] = f"{name} (budget {mine[0]['budget']:.3f})"
             entry["mbytes"] = statistics.median(r["bytes"] for r in mine) / 1e6
             entry["byte_ratio"] = statistics.median(r["bytes"] / base[r["repeat"]] for r in mine)
         table.append(entry)
@@ -171,12 +198,15 @@ def print_table(summary: dict, world: int, steps: int, staleness: int) -> None:
     print(
         f"\nPart 1: time to all-reduce's loss at {steps} steps, W={world} (reached = repeats that got there)"
     )
-    print(f"{'config':34} {'steps':>6} {'MB sent':>9} {'vs allreduce':>12} {'seconds':>8} {'reached':>8}")
+    print(
+        f"{'config':44} {'KB/step':>8} {'steps':>6} {'MB sent':>9} {'vs allreduce':>12} {'seconds':>8} "
+        f"{'reached':>8}"
+    )
     for r in summary["rows"]:
         if r["part"] == "comm":
             print(
-                f"{r['name']:34} {r['steps']:6.0f} {r['mbytes']:9.3f} {r['byte_ratio']:12.3f} "
-                f"{r['seconds']:8.2f} {r['reached']:>4}/{r['repeats']}"
+                f"{r['name']:44} {r['kbytes_per_step']:8.2f} {r['steps']:6.0f} {r['mbytes']:9.3f} "
+                f"{r['byte_ratio']:12.3f} {r['seconds']:8.2f} {r['reached']:>4}/{r['repeats']}"
             )
     print(f"\nPart 2: held-out loss after {steps} steps with staleness s={staleness}, W={world}")
     stale = [r for r in summary["rows"] if r["part"] == "stale"]
@@ -197,6 +227,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD (momentum 0.9) step size in part 1")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.03, 0.3])
+    parser.add_argument(
+        "--powersgd-ranks", type=int, nargs="+", default=[1, 2], help="each paired with managed at its bytes"
+    )
     parser.add_argument("--staleness", type=int, default=4)
     parser.add_argument("--grid", type=float, nargs="+", default=[0.03, 0.1, 0.3, 1.0], help="tuned SGD lrs")
     parser.add_argument("--ada-lr", type=float, default=0.1, help="AdaRevision's single step size")
