@@ -47,6 +47,9 @@ from .policy import Policy
 
 ATTN_IMPLEMENTATION = "tale"
 OBSERVED_QUERIES = 64  # a prefill's significance is observed from its last queries only
+RESERVED_BLOCKS = (
+    4  # spare tier capacity, in blocks, so compressing a block appends instead of copying the tier
+)
 MAX_UNDO_PREFILL = 64  # tokens ``crop`` can take back from a prefill longer than OBSERVED_QUERIES
 
 
@@ -267,12 +270,18 @@ class TaleLayer(CacheLayerMixin):
         bounds = torch.tensor(list(itertools.accumulate(counts))[:-1], device=self.device)
         tier_id = torch.bucketize(rank, bounds, right=True).to(torch.uint8)
         keys, values = self.exact_k[..., start:stop, :], self.exact_v[..., start:stop, :]
+        per_block = self.policy.tier_counts(self.policy.block)
         for t, (tier, count) in enumerate(zip(self.policy.tiers, counts, strict=True)):
             if count == 0:
                 continue
             idx = torch.argsort((tier_id != t).to(torch.uint8), dim=-1, stable=True)[..., :count]
-            self.tier_k[t] = self._append(self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits)
-            self.tier_v[t] = self._append(self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits)
+            reserve = RESERVED_BLOCKS * per_block[t]
+            self.tier_k[t] = self._append(
+                self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits, reserve
+            )
+            self.tier_v[t] = self._append(
+                self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits, reserve
+            )
         self.tier_ids = torch.cat([self.tier_ids, tier_id], dim=-1)
         keep = lambda x: torch.cat([x[..., :start, :], x[..., stop:, :]], dim=-2).contiguous()  # noqa: E731
         self.exact_k, self.exact_v = keep(self.exact_k), keep(self.exact_v)
@@ -280,13 +289,13 @@ class TaleLayer(CacheLayerMixin):
         self.cnt = torch.cat([self.cnt[..., :start], self.cnt[..., stop:]], dim=-1).contiguous()
         self.n_compressed += n
 
-    def _append(self, store, states, idx, basis, rank, bits) -> quant.QTensor:
+    def _append(self, store, states, idx, basis, rank, bits, reserve: int) -> quant.QTensor:
         picked = torch.gather(states, 2, idx.unsqueeze(-1).expand(*idx.shape, states.shape[-1]))
         coeffs = picked.float() @ basis[..., :rank]
         if bits is None:
             coeffs = coeffs.to(self.dtype)
         new = quant.quantize(coeffs, bits, self.policy.group_size)
-        return new if store is None else quant.cat([store, new])
+        return quant.append(store, new, reserve)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full K/V in insertion order from the stored form (for tests and error analysis, not for attention)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 INT_BITS = (2, 4, 8)
+GROWTH = 1 / 16  # spare capacity an ``append`` that outgrows its buffers adds, relative to the new length
 ALLOWED_BITS = (*INT_BITS, 16, None)
 
 
@@ -34,6 +35,9 @@ class QTensor:
     zero: torch.Tensor | None
     bits: int | None
     rank: int
+    buffers: tuple[torch.Tensor | None, ...] | None = (
+        None  # spare-capacity storage the fields view (``append``)
+    )
 
     @property
     def nbytes(self) -> int:
@@ -123,14 +127,36 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return values.flatten(-2).to(dtype)
 
 
-def cat(parts: list[QTensor], dim: int = -2) -> QTensor:
-    """Concatenate quantized tensors of the same bits/rank along the token dim."""
+def append(store: QTensor | None, new: QTensor, reserve: int) -> QTensor:
+    """``store`` followed by ``new`` along the token dim (-2), written into spare capacity when there is room.
 
-    def join(name: str) -> torch.Tensor | None:
-        tensors = [getattr(p, name) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors, dim)
-
-    return QTensor(join("data"), join("scale"), join("zero"), parts[0].bits, parts[0].rank)
+    The fields of the result are prefix views of buffers with room for at least ``reserve`` more tokens (and
+    ``GROWTH`` of the length), so appending a block copies only the block, not everything stored before it;
+    ``nbytes`` counts the buffers in full.
+    """
+    n, m = (0 if store is None else len(store)), len(new)
+    buffers = None if store is None else store.buffers
+    if buffers is None or buffers[0].shape[-2] < n + m:
+        capacity = n + m + max(reserve, int(GROWTH * (n + m)))
+        fresh = []
+        for old, part in zip(
+            (None,) * 3 if store is None else (store.data, store.scale, store.zero),
+            (new.data, new.scale, new.zero),
+            strict=True,
+        ):
+            if part is None:
+                fresh.append(None)
+                continue
+            buffer = part.new_empty(*part.shape[:-2], capacity, part.shape[-1])
+            if old is not None:
+                buffer[..., :n, :] = old
+            fresh.append(buffer)
+        buffers = tuple(fresh)
+    for buffer, part in zip(buffers, (new.data, new.scale, new.zero), strict=True):
+        if buffer is not None:
+            buffer[..., n : n + m, :] = part
+    views = [None if b is None else b[..., : n + m, :] for b in buffers]
+    return QTensor(views[0], views[1], views[2], new.bits, new.rank, buffers)
 
 
 def bytes_per_vector(rank: int, bits: int | None, group_size: int | None, float_bytes: int) -> int:

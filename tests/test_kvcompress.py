@@ -8,6 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvcompress import Policy, TaleCache, Tier, enable_tale, identity_factors, uniform_policy
 from kvcompress.attention import attend
+from kvcompress.cache import RESERVED_BLOCKS
 from kvcompress.calibrate import factors_from_model
 from kvcompress.quant import QTensor, dequantize, quantize
 
@@ -185,7 +186,10 @@ def test_memory_accounting_equals_bytes_held(model_and_factors):
     layer = cache.layers[0]
     n_exact, n_comp = layer.exact_k.shape[-2], layer.n_compressed
     exact_bytes = n_exact * 2 * (2 * HEAD_DIM * 4 + 4) + n_exact * 4  # K,V fp32 + acc per head, cnt per token
-    predicted = exact_bytes + n_comp * 2 * policy.compressed_bytes_per_token(4)
+    # tiers keep spare capacity for RESERVED_BLOCKS more blocks (and 1/16 of their length), counted as held
+    spare = max(RESERVED_BLOCKS * policy.block, n_comp // 16)
+    predicted = exact_bytes + (n_comp + spare) * 2 * policy.compressed_bytes_per_token(4)
+    assert exact_bytes + n_comp * 2 * policy.compressed_bytes_per_token(4) < layer.nbytes()
     assert layer.nbytes() == pytest.approx(predicted, rel=0.05)
     assert n_comp > 100 and n_exact <= 2 + 6 + 4
 
@@ -289,3 +293,18 @@ def test_fused_kernels_equal_dequantize_then_matmul(bits, group_size):
         kernels.tier_scores(q, tier), q @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
     )
     torch.testing.assert_close(kernels.tier_values(p, tier), p @ coeffs, atol=1e-5, rtol=1e-4)
+
+
+def test_append_writes_into_spare_capacity():
+    from kvcompress.quant import append
+
+    parts = [quantize(torch.randn(1, 2, n, 16), 4) for n in (10, 3, 3)]
+    store = append(None, parts[0], reserve=6)
+    ptr = store.data.untyped_storage().data_ptr()
+    for part in parts[1:]:
+        store = append(store, part, reserve=6)
+    assert store.data.untyped_storage().data_ptr() == ptr  # both blocks fit the reserve: nothing was copied
+    assert torch.equal(dequantize(store), torch.cat([dequantize(p) for p in parts], dim=-2))
+    grown = append(store, quantize(torch.randn(1, 2, 5, 16), 4), reserve=6)
+    assert grown.data.untyped_storage().data_ptr() != ptr and len(grown) == 21
+    assert torch.equal(dequantize(grown)[..., :16, :], dequantize(store))
