@@ -20,6 +20,16 @@ keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch Swift
 1 - mean cost / mean cost of full+rollback over the same trials, with a paired bootstrap 95% interval;
 |delta| is the median Euclidean norm of the recovered state minus the lost live state (SCAR's perturbation).
 
+``trainer`` measures SCAR inside the real trainer (``python -m distill``, one process): a tiny random Llama
+with the SmolLM2 tokenizer distilled on ShareGPT, SIGKILLed from outside at a random step and resumed; the
+cost is the number of steps after the restart until the held-out KL is back at the uninterrupted run's value
+at the kill step.  Full checkpoint + rollback (full checkpoint every F steps) resumes at its last full
+checkpoint and replays the uninterrupted run exactly, so its cost is read off the reference curve; the SCAR
+run writes a full checkpoint every 2F steps plus running saves (fraction f every ``--scar-every`` steps),
+at most the baseline's bytes per step whenever the running checkpoint is under half the full one.
+
+    OMP_NUM_THREADS=1 python scripts/bench_scar.py --problems trainer --trials 10 --full-every 8 \
+        --workdir /dev/shm --out out/bench/scar_trainer.json
     flock -s /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 100 --threads 1 \
         --workdir /dev/shm --out out/bench/scar_lsq_spread2.json
     flock -s /tmp/bench.lock python scripts/bench_scar.py --problems swiftkv --trials 12 \

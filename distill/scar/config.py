@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MiB = 1 << 20
-REPLACED = {"rows_per_block": "block_bytes", "block": "block_bytes"}  # keys of format 1 recipes
+REPLACED = ("block", "rows_per_block")  # element-count sizing, replaced by block_bytes
 
 
 class ScarConfig(BaseModel):
