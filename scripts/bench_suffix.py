@@ -2,10 +2,10 @@
 
 Workloads: ``agentic-refine`` (the model revises its own previous answer, round after round: the case
 SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  ``streams`` times the cache alone
-on synthetic repetitive token streams (no model), side by side with the C++ reference (arctic-inference
-0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or SUFFIX_REFERENCE_PATH
-names the folder holding ``arctic_inference/``; its column is skipped when absent): both caches see the
-same streams (a draft's tokens are accepted while they equal the stream, plus one), in interleaved repeats,
+(the pure-Python and the numba-compiled trees) on synthetic repetitive token streams (no model), side by
+side with the C++ reference (arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository;
+``--reference DIR`` or SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is
+skipped when absent): all caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one), in interleaved repeats,
 medians reported, and bytes per cached token from the global tree.  Every request runs every method,
 in an order rotated per request (interleaved A/B), and all methods must produce the same greedy tokens.
 The suffix caches persist across requests, so the global tree holds earlier responses, as in serving.
@@ -90,44 +90,46 @@ def synthetic_streams(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]
     return out
 
 
-def drive(cache, streams, reference: bool) -> dict:
-    """Replay the streams through one cache; per-operation times and the drafts' acceptance."""
+ACC_KEYS = ("t_prompt", "t_spec", "t_app", "steps", "appended", "prompt_tokens")
+
+
+def drive_request(cache, r: int, prompt, response, reference: bool, acc: dict) -> None:
+    """Replay one request through one cache, adding per-operation times and counts to ``acc``."""
     cfg = SpecConfig()
-    t_spec = t_app = t_prompt = 0.0
-    steps = appended = prompt_tokens = emitted = 0
-    for r, (prompt, response) in enumerate(streams):
+    t0 = time.perf_counter()
+    cache.start_request(r, prompt)
+    acc["t_prompt"] += time.perf_counter() - t0
+    acc["prompt_tokens"] += len(prompt)
+    ctx, i = list(prompt), 0
+    while i < len(response):
         t0 = time.perf_counter()
-        cache.start_request(r, prompt)
-        t_prompt += time.perf_counter() - t0
-        prompt_tokens += len(prompt)
-        ctx, i = list(prompt), 0
-        while i < len(response):
-            t0 = time.perf_counter()
-            if reference:
-                draft = cache.speculate(
-                    r, ctx, cfg.max_spec, cfg.factor, cfg.offset, cfg.min_token_prob, False
-                )
-                tokens = draft.token_ids
-            else:
-                tokens = cache.speculate(r, ctx).tokens
-            t_spec += time.perf_counter() - t0
-            k = 0
-            while k < len(tokens) and i + k < len(response) and tokens[k] == response[i + k]:
-                k += 1
-            new = response[i : i + k + 1]
-            t0 = time.perf_counter()
-            cache.add_active_response(r, new) if reference else cache.append(r, new)
-            t_app += time.perf_counter() - t0
-            steps, appended, emitted = steps + 1, appended + len(new), emitted + len(new)
-            ctx += new
-            i += len(new)
-        cache.stop_request(r) if reference else cache.finish_request(r)
+        if reference:
+            draft = cache.speculate(r, ctx, cfg.max_spec, cfg.factor, cfg.offset, cfg.min_token_prob, False)
+            tokens = draft.token_ids
+        else:
+            tokens = cache.speculate(r, ctx).tokens
+        acc["t_spec"] += time.perf_counter() - t0
+        k = 0
+        while k < len(tokens) and i + k < len(response) and tokens[k] == response[i + k]:
+            k += 1
+        new = response[i : i + k + 1]
+        t0 = time.perf_counter()
+        cache.add_active_response(r, new) if reference else cache.append(r, new)
+        acc["t_app"] += time.perf_counter() - t0
+        acc["steps"] += 1
+        acc["appended"] += len(new)
+        ctx += new
+        i += len(new)
+    cache.stop_request(r) if reference else cache.finish_request(r)
+
+
+def summary(acc: dict) -> dict:
     return {
-        "steps": steps,
-        "tokens_per_step": emitted / steps,
-        "us_per_speculate": 1e6 * t_spec / steps,
-        "us_per_appended_token": 1e6 * t_app / appended,
-        "us_per_prompt_token": 1e6 * t_prompt / prompt_tokens,
+        "steps": acc["steps"],
+        "tokens_per_step": acc["appended"] / acc["steps"],
+        "us_per_speculate": 1e6 * acc["t_spec"] / acc["steps"],
+        "us_per_appended_token": 1e6 * acc["t_app"] / acc["appended"],
+        "us_per_prompt_token": 1e6 * acc["t_prompt"] / acc["prompt_tokens"],
     }
 
 
@@ -146,32 +148,52 @@ def reference_cache_class(path: str | None):
     return SuffixDecodingCache
 
 
+STREAM_CACHES = ("python", "compiled", "reference")
+
+
 def measure_streams(args) -> dict:
-    """Cache-only timings on synthetic streams, ours vs the reference, interleaved; medians of the repeats."""
+    """Cache-only timings on synthetic streams: the pure-Python tree, the numba-compiled one (when numba is
+    installed) and the reference, interleaved request by request (order rotated); medians of the repeats."""
+    from eval.serving.suffix.cache import compiled_available
+
     streams = synthetic_streams(args.streams)
     ref_cls = reference_cache_class(args.reference)
-    runs: dict[str, list[dict]] = {"python": [], "reference": []}
+    makers = {"python": lambda: SuffixCache(SpecConfig(), compiled=False)}
+    if compiled_available():
+        makers["compiled"] = lambda: SuffixCache(SpecConfig(), compiled=True)
+        warm = dict.fromkeys(ACC_KEYS, 0)
+        drive_request(
+            makers["compiled"](), 0, *streams[0], False, warm
+        )  # load the kernels outside the timing
+    if ref_cls is not None:
+        makers["reference"] = lambda: ref_cls(SpecConfig().max_depth, SpecConfig().max_cached_requests)
+    runs: dict[str, list[dict]] = {name: [] for name in makers}
     memory = {}
-    for _ in range(args.repeats):
-        cache = SuffixCache(SpecConfig())
-        runs["python"].append(drive(cache, streams, False))
-        n_tokens = sum(map(len, cache.global_tree.seqs.values()))
-        memory["python"] = cache.global_tree.nbytes() / n_tokens
-        if ref_cls is not None:
-            ref = ref_cls(SpecConfig().max_depth, SpecConfig().max_cached_requests)
-            runs["reference"].append(drive(ref, streams, True))
-            memory["reference"] = ref._global_tree.estimate_memory() / n_tokens
+    names = list(makers)
+    for rep in range(args.repeats):
+        caches = {name: make() for name, make in makers.items()}
+        accs = {name: dict.fromkeys(ACC_KEYS, 0) for name in names}
+        for r, (prompt, response) in enumerate(streams):  # interleaved per request, order rotated
+            k = (r + rep) % len(names)
+            for name in names[k:] + names[:k]:
+                drive_request(caches[name], r, prompt, response, name == "reference", accs[name])
+        for name, cache in caches.items():
+            runs[name].append(summary(accs[name]))
+            if name == "reference":
+                memory[name] = cache._global_tree.estimate_memory()
+            else:
+                memory[name] = cache.global_tree.nbytes()
+                n_tokens = sum(map(len, cache.global_tree.seqs.values()))
     out = {}
     for name, rows in runs.items():
-        if rows:
-            out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-            out[name]["bytes_per_cached_token"] = memory[name]
+        out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out[name]["bytes_per_cached_token"] = memory[name] / n_tokens
     if "reference" in out:
+        keys = ("us_per_speculate", "us_per_appended_token", "us_per_prompt_token")
         out["ratio_vs_reference"] = {
-            k: out["python"][k] / out["reference"][k]
-            for k in ("us_per_speculate", "us_per_appended_token", "us_per_prompt_token")
+            name: {k: out[name][k] / out["reference"][k] for k in keys} for name in out if name != "reference"
         }
-        out["same_step_count"] = out["python"]["steps"] == out["reference"]["steps"]
+        out["same_step_count"] = len({out[name]["steps"] for name in runs}) == 1
     return out
 
 
@@ -269,17 +291,17 @@ def measure(args) -> dict:
 def print_streams(res: dict) -> None:
     keys = ["us_per_speculate", "us_per_appended_token", "us_per_prompt_token", "bytes_per_cached_token"]
     print(
-        f"\n{'cache':10} {'steps':>6} {'tok/step':>8} {'spec us':>8} {'append us':>9} {'prompt us':>9} {'B/token':>8}"
+        f"\n{'cache':10} {'steps':>6} {'tok/step':>8} {'spec us':>9} {'append us':>9} {'prompt us':>9} {'B/token':>9}"
     )
-    for name in ("python", "reference"):
+    for name in STREAM_CACHES:
         if name in res:
             r = res[name]
             print(
                 f"{name:10} {r['steps']:6d} {r['tokens_per_step']:8.2f} "
                 + " ".join(f"{r[k]:9.2f}" for k in keys)
             )
-    if "ratio_vs_reference" in res:
-        print("ratio     ", " ".join(f"{k}={v:.2f}x" for k, v in res["ratio_vs_reference"].items()))
+    for name, ratios in res.get("ratio_vs_reference", {}).items():
+        print(f"{name} / reference:", " ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
 
 
 def print_table(results: dict) -> None:

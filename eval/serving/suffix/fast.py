@@ -17,6 +17,7 @@ reserves room for the worst case of each call first.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numba
@@ -429,7 +430,8 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
         new = new_node(nodes, meta, 1, 1, slot, n, node)
         ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
         meta[M_CLIVE] += h_put(ckeys, cvals, ckey(node, token), new)
-        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+        if not is_root:
+            ep_del(nodes, eps, ekeys, evals, meta, node, slot)
         if nodes[node, HEAD] < 0:
             nodes[node, HEAD] = new
             nodes[node, TAIL] = new
@@ -455,7 +457,7 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
             free_node(nodes, groups, eps, ekeys, evals, meta, node)
             return child
         nodes[node, LEN] += 1  # node grows into child by one token
-        ep_set(nodes, eps, ekeys, evals, meta, node, slot, ep_get(eps, ekeys, evals, node, slot) + 1)
+        eps[h_get(ekeys, evals, ckey(node, slot)), EEND] += 1
         nodes[node, REF] = slot
         nodes[node, END] = n
         nodes[child, LEN] -= 1
@@ -465,7 +467,8 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
             h_put(ckeys, cvals, ckey(node, first), child)
         return node
     if nodes[child, LEN] == 1:
-        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+        if not is_root:
+            ep_del(nodes, eps, ekeys, evals, meta, node, slot)
         ep_set(nodes, eps, ekeys, evals, meta, child, slot, n)
         increment_count(nodes, groups, meta, child)
         return child
@@ -475,7 +478,8 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
     nodes[child, LEN] -= 1
     meta[M_CLIVE] += h_put(ckeys, cvals, ckey(new, token_at(nodes, tokens, seqtab, child, 0)), child)
     nodes[child, PAR] = new
-    ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+    if not is_root:
+        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
     ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
     nodes[new, HEAD] = child
     nodes[new, TAIL] = child
@@ -488,36 +492,53 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
 def k_extend(
     nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, active, actmeta, slot, new
 ):
-    """Append ``new`` to open sequence ``slot`` (tree.SuffixTree.append per token, active nodes in a ring)."""
+    """Append ``new`` to open sequence ``slot`` (tree.SuffixTree.append per token, active nodes in a ring)
+    while the tables have room for one more token (else ArrayTree._make_room grows them); the number appended."""
     depth = active.shape[1]
     row = seqtab[slot, SROW]
     base = seqtab[slot, SSTART]
+    need = depth + 1
     for t in range(len(new)):
+        if (
+            seqtab[slot, SLEN] >= seqtab[slot, SCAP]
+            or meta[M_NHWM] + need > len(nodes)
+            or meta[M_GHWM] + 3 * need > len(groups)
+            or meta[M_EHWM] + need > len(eps)
+            or 2 * (meta[M_CLIVE] + need) > len(ckeys)
+            or 2 * (meta[M_ELIVE] + need) > len(ekeys)
+        ):
+            return t
         token = new[t]
         n0 = seqtab[slot, SLEN]
-        ep_set(nodes, eps, ekeys, evals, meta, 0, slot, n0)
-        nodes[0, CNT] += 1
+        nodes[0, CNT] += 1  # the new suffix starts at the root (no endpoint kept there: it moves on at once)
         start, count = actmeta[row, 0], actmeta[row, 1]
         if count == depth:  # the oldest suffix reached max_depth: it stops growing
-            start = (start + 1) % depth
+            start = start + 1 if start + 1 < depth else 0
             count -= 1
-        active[row, (start + count) % depth] = 0
+        k = start + count
+        active[row, k - depth if k >= depth else k] = 0
         count += 1
         actmeta[row, 0], actmeta[row, 1] = start, count
         tokens[base + n0] = token
         n = n0 + 1
         seqtab[slot, SLEN] = n
-        for i in range(count):
-            k = (start + i) % depth
+        k = start
+        for _ in range(count):
             node = active[row, k]
-            if nodes[node, CNT] == 1 and node != 0:
+            if nodes[node, CNT] == 1 and node != 0:  # a leaf only this suffix reaches: grow it
                 nodes[node, LEN] += 1
                 nodes[node, END] = n
-                ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
+                r = nodes[node, EPH]
+                if r >= 0 and eps[r, ESEQ] == slot:  # its one endpoint, found without the hash table
+                    eps[r, EEND] = n
+                else:
+                    ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
             else:
                 active[row, k] = extend_suffix(
                     nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n
                 )
+            k = k + 1 if k + 1 < depth else 0
+    return len(new)
 
 
 @jit
@@ -877,6 +898,27 @@ def k_from_arrays(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, columns,
 # ---- the Python side -----------------------------------------------------------------------------------
 
 
+class _Entry:
+    """A kernel called through its compiled entry point after the first call: numba's dispatcher types every
+    argument on every call (~5 µs for the 14 arguments here, as much as a whole append); ArrayTree always
+    passes the same types (fresh int32 arrays, Python ints, floats and bools)."""
+
+    __slots__ = ("entry", "kernel")
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.entry = kernel, None
+
+    def __call__(self, *args):
+        if self.entry is not None:
+            return self.entry(*args)
+        out = self.kernel(*args)
+        self.entry = self.kernel.overloads[tuple(numba.typeof(a) for a in args)].entry_point
+        return out
+
+
+_extend, _speculate = _Entry(k_extend), _Entry(k_speculate)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(4, (int(n) - 1).bit_length())
 
@@ -910,18 +952,17 @@ class ArrayTree:
     [3]
     """
 
-    CHUNK = 64  # tokens per extend kernel call (bounds the room reserved for it)
-
     def __init__(self, max_depth: int = 64) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
-        self.nodes = np.full((1024, NODE_FIELDS), -1, np.int32)
+        rows = 4 * (max_depth + 1)  # room for a few tokens; tables double when a token might not fit
+        self.nodes = np.full((rows, NODE_FIELDS), -1, np.int32)
         self.nodes[0, [CNT, LEN, END]] = 0
-        self.groups = np.zeros((1024, 4), np.int32)
-        self.eps = np.zeros((1024, 5), np.int32)
-        self.ckeys, self.cvals = np.full(2048, EMPTY, np.int64), np.zeros(2048, np.int32)
-        self.ekeys, self.evals = np.full(2048, EMPTY, np.int64), np.zeros(2048, np.int32)
+        self.groups = np.zeros((4 * rows, 4), np.int32)
+        self.eps = np.zeros((rows, 5), np.int32)
+        self.ckeys, self.cvals = self._hash_table(4 * rows)
+        self.ekeys, self.evals = self._hash_table(4 * rows)
         self.meta = np.zeros(8, np.int64)
         self.meta[[M_NFREE, M_GFREE, M_EFREE]] = -1
         self.meta[M_NHWM] = 1
@@ -934,9 +975,11 @@ class ArrayTree:
         self.active = np.zeros((4, max_depth), np.int32)
         self.actmeta = np.zeros((4, 2), np.int32)
         self._free_rows = list(range(3, -1, -1))
-        self._slot: dict[int, int] = {}
+        self._slot: dict[int, int] = {}  # seq id -> slot
+        self._open: dict[int, int] = {}  # the open ones
         self._id_of: dict[int, int] = {}
         self.seqs = _Seqs(self)
+        self._refresh()
 
     @property
     def root_count(self) -> int:
@@ -950,26 +993,33 @@ class ArrayTree:
         new[: len(table)] = table
         return new
 
-    def _rehashed(self, keys: np.ndarray, vals: np.ndarray, live: int) -> tuple[np.ndarray, np.ndarray]:
-        size = _pow2_at_least(2 * live + 1)
-        new_keys, new_vals = np.full(size, EMPTY, np.int64), np.zeros(size, np.int32)
+    @staticmethod
+    def _hash_table(size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, values) of an empty table: the two columns of one array, so a probe reads one cache line."""
+        table = np.full((_pow2_at_least(size), 2), EMPTY, np.int64)
+        return table[:, 0], table[:, 1]
+
+    @classmethod
+    def _rehashed(cls, keys: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        new_keys, new_vals = cls._hash_table(size)
         h_rehash(keys, vals, new_keys, new_vals)
         return new_keys, new_vals
 
-    def _reserve(self, n_tokens: int) -> None:
-        """Room for ``n_tokens`` appended tokens: each adds at most max_depth nodes, keys and endpoints."""
-        steps = n_tokens * (self.max_depth + 1)
-        meta = self.meta
-        if meta[M_NHWM] + steps > len(self.nodes):
-            self.nodes = self._grown(self.nodes, meta[M_NHWM] + steps, -1)
-        if meta[M_GHWM] + 3 * steps > len(self.groups):
-            self.groups = self._grown(self.groups, meta[M_GHWM] + 3 * steps)
-        if meta[M_EHWM] + steps > len(self.eps):
-            self.eps = self._grown(self.eps, meta[M_EHWM] + steps)
-        if 2 * (meta[M_CLIVE] + steps) > len(self.ckeys):
-            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, meta[M_CLIVE] + steps)
-        if 2 * (meta[M_ELIVE] + steps) > len(self.ekeys):
-            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, meta[M_ELIVE] + steps)
+    def _make_room(self, slot: int, n_tokens: int) -> None:
+        """Double what :func:`k_extend` found short for one more token (of ``n_tokens`` to come)."""
+        need, meta = self.max_depth + 1, self.meta
+        if meta[M_NHWM] + need > len(self.nodes):
+            self.nodes = self._grown(self.nodes, 2 * len(self.nodes), -1)
+        if meta[M_GHWM] + 3 * need > len(self.groups):
+            self.groups = self._grown(self.groups, 2 * len(self.groups))
+        if meta[M_EHWM] + need > len(self.eps):
+            self.eps = self._grown(self.eps, 2 * len(self.eps))
+        if 2 * (meta[M_CLIVE] + need) > len(self.ckeys):
+            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, 2 * len(self.ckeys))
+        if 2 * (meta[M_ELIVE] + need) > len(self.ekeys):
+            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, 2 * len(self.ekeys))
+        self._token_room(slot, n_tokens)
+        self._refresh()
 
     def _token_room(self, slot: int, n_tokens: int) -> None:
         """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled)."""
@@ -1004,14 +1054,25 @@ class ArrayTree:
     def _tables(self) -> tuple:
         return (self.nodes, self.groups, self.eps, self.ckeys, self.cvals, self.ekeys, self.evals, self.meta)
 
+    def _refresh(self) -> None:
+        """Rebind the kernels' argument tuples after a table was replaced (grown, rehashed, compacted)."""
+        self._ext_args = (*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta)
+        self._spec_args = (
+            self.nodes,
+            self.ckeys,
+            self.cvals,
+            self.tokens,
+            self.seqtab,
+            self.active,
+            self.actmeta,
+        )
+
     # ---- building -------------------------------------------------------------------------------------
 
     def _open_slot(self, seq_id: int) -> int:
-        slot = self._slot.get(seq_id)
-        if slot is not None:
-            if self.seqtab[slot, SROW] < 0:
-                raise ValueError(f"sequence {seq_id} was closed; to resolve, append to a new sequence id")
-            return slot
+        """A slot (and active-node row) for new sequence ``seq_id``."""
+        if seq_id in self._slot:
+            raise ValueError(f"sequence {seq_id} was closed; to resolve, append to a new sequence id")
         if self._free_slots:  # a removed sequence's slot (its endpoints and node references are gone)
             slot = self._free_slots.pop()
         else:
@@ -1027,27 +1088,31 @@ class ArrayTree:
         row = self._free_rows.pop()
         self.actmeta[row] = 0
         self.seqtab[slot] = (self._tok_used, 0, 0, row)
-        self._slot[seq_id], self._id_of[slot] = slot, seq_id
+        self._slot[seq_id], self._id_of[slot], self._open[seq_id] = slot, seq_id, slot
+        self._refresh()
         return slot
 
     def extend(self, seq_id: int, tokens: Iterable[int]) -> None:
         """Append tokens to sequence ``seq_id`` (new or still open); O(max_depth) each."""
-        new = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), dtype=np.int32)
-        slot = self._open_slot(seq_id)
-        for i in range(0, len(new), self.CHUNK):
-            chunk = new[i : i + self.CHUNK]
-            self._reserve(len(chunk))
-            self._token_room(slot, len(chunk))
-            k_extend(*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta, slot, chunk)
+        if not isinstance(tokens, list | tuple | np.ndarray | array):
+            tokens = list(tokens)
+        new = np.array(tokens, dtype=np.int32)
+        slot = self._open.get(seq_id)
+        if slot is None:
+            slot = self._open_slot(seq_id)
+        done = _extend(*self._ext_args, slot, new)
+        while done < len(new):
+            self._make_room(slot, len(new) - done)
+            done += _extend(*self._ext_args, slot, new[done:].copy())
 
     def append(self, seq_id: int, token: int) -> None:
         self.extend(seq_id, [token])
 
     def close(self, seq_id: int) -> None:
         """Stop growing ``seq_id``; its suffixes stay counted until ``remove``."""
-        slot = self._slot.get(seq_id)
-        if slot is not None and (row := int(self.seqtab[slot, SROW])) >= 0:
-            self._free_rows.append(row)
+        slot = self._open.pop(seq_id, None)
+        if slot is not None:
+            self._free_rows.append(int(self.seqtab[slot, SROW]))
             self.seqtab[slot, SROW] = -1
             self._garbage += int(self.seqtab[slot, SCAP] - self.seqtab[slot, SLEN])
             self.seqtab[slot, SCAP] = self.seqtab[slot, SLEN]
@@ -1068,8 +1133,7 @@ class ArrayTree:
         self._free_slots.append(slot)
 
     def is_open(self, seq_id: int) -> bool:
-        slot = self._slot.get(seq_id)
-        return slot is not None and self.seqtab[slot, SROW] >= 0
+        return seq_id in self._open
 
     # ---- speculation ----------------------------------------------------------------------------------
 
@@ -1086,14 +1150,11 @@ class ArrayTree:
     ) -> Draft:
         """:meth:`.tree.SuffixTree.speculate_open` (same arguments, same draft)."""
         slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
-        ctx = np.frombuffer(context, np.int32) if getattr(context, "typecode", "") == "i" else None
-        if ctx is None:
-            ctx = np.asarray(context, dtype=np.int32)
+        ctx = np.array(context, dtype=np.int32)
         order = _order_array(self.max_depth, max_spec, factor, offset)
-        tok, par, prob, score, match_len = k_speculate(
-            self.nodes, self.ckeys, self.cvals, self.tokens, self.seqtab, self.active, self.actmeta,
-            slot, ctx, walk, order, max_spec, f32(min_token_prob), tree,
-        )  # fmt: skip
+        tok, par, prob, score, match_len = _speculate(
+            *self._spec_args, slot, ctx, bool(walk), order, int(max_spec), f32(min_token_prob), bool(tree)
+        )
         return Draft(tok.tolist(), par.tolist(), prob.tolist(), int(match_len), float(score))
 
     def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
@@ -1127,8 +1188,8 @@ class ArrayTree:
         tree.nodes = tree._grown(tree.nodes, n_nodes + 1, -1)
         tree.groups = tree._grown(tree.groups, n_nodes + 1)
         tree.eps = tree._grown(tree.eps, n_eps + 1)
-        tree.ckeys, tree.cvals = tree._rehashed(tree.ckeys, tree.cvals, n_nodes)
-        tree.ekeys, tree.evals = tree._rehashed(tree.ekeys, tree.evals, n_eps)
+        tree.ckeys, tree.cvals = tree._rehashed(tree.ckeys, tree.cvals, 2 * n_nodes + 1)
+        tree.ekeys, tree.evals = tree._rehashed(tree.ekeys, tree.evals, 2 * n_eps + 1)
         bad = k_from_arrays(*tree._tables(), columns, first, ep_rows)
         if bad:
             raise ValueError(f"node {bad} is out of count order")
@@ -1140,6 +1201,7 @@ class ArrayTree:
             tree.seqtab[k] = (offsets[k], lengths[k], lengths[k], -1)
             tree._slot[seq_id], tree._id_of[k] = k, seq_id
         tree._n_slots = len(seq_ids)
+        tree._refresh()
         return tree
 
     def nbytes(self) -> int:
