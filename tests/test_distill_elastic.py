@@ -30,15 +30,13 @@ def recipe_file(tmp_path: Path, *overrides: str, **train) -> Path:
     return path
 
 
-def fake_checkpoint(
-    path: Path, processes: int, grad_accum: int, stage: int = 0, step: int = 4, *over
-) -> Path:
+def fake_checkpoint(path: Path, processes: int, grad_accum: int, stage: int = 0, over: tuple = ()) -> Path:
     """A complete checkpoint's trainer_state.json as ``save_checkpoint`` writes it (no weights)."""
     recipe = load_recipe(path, list(over))
-    ckpt = Path(recipe.output_dir) / "checkpoints" / f"step_{step}"
+    ckpt = Path(recipe.output_dir) / "checkpoints" / "step_4"
     ckpt.mkdir(parents=True)
     state = {
-        "step": step,
+        "step": 4,
         "fingerprint": fingerprint(recipe),
         **world_state(recipe, processes, grad_accum, stage),
     }
@@ -89,7 +87,7 @@ def test_a_fresh_start_uses_the_recipe_grad_accum(tmp_path):
 )
 def test_a_world_size_that_cannot_continue_is_refused(tmp_path, over, now, message):
     path = recipe_file(tmp_path)
-    fake_checkpoint(path, 3, 1, 0, 4, *over)
+    fake_checkpoint(path, 3, 1, over=over)
     with pytest.raises(ResumeError) as err:
         resume_point(load_recipe(path, list(over)), now, 0)
     assert message in str(err.value) and "\n" not in str(err.value)
@@ -167,14 +165,7 @@ def test_one_to_two_to_one_process_matches_a_run_that_never_changed_size(
                 return [PY, "-m", "distill", str(recipe), keep]
             return [
                 PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                "2",
-                "-m",
-                "distill",
-            ] + [
+                *"-m torch.distributed.run --standalone --nproc_per_node 2 -m distill".split(),
                 str(recipe),
                 keep,
             ]
