@@ -33,8 +33,9 @@ class SpecConfig(BaseModel):
     min_token_prob: float = Field(
         0.1, ge=0, le=1, description="Stop expanding below this estimated probability."
     )
-    # 10,000 responses x ~300 tokens x ~930 B per cached token (bench_suffix.py streams, this Python tree)
-    # = ~2.8 GB of host memory; the C++ reference (vLLM) needs ~450 B per token, ~1.4 GB.  100,000 would be ~28 GB.
+    # 10,000 responses x ~300 tokens at the bytes per cached token of bench_suffix.py's streams: ~0.9 GB for the
+    # compiled tree (~310 B, allocated tables), ~2.8 GB for the pure-Python one (~930 B), ~1.4 GB for the C++
+    # reference in vLLM (~450 B).  100,000 would be ten times that.
     max_cached_requests: int = Field(
         10_000, ge=0, description="FIFO limit on responses in the global tree (live ones included)."
     )

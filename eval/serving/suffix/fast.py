@@ -11,12 +11,15 @@ an open-addressing hash table keyed by (parent, token), its suffix endpoints in 
 found by (node, sequence slot); equal-count sibling groups are rows of a group table, reference-counted
 by their members.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
 tokens live in a segment of one token pool (moved to the end, doubled, when it outgrows its segment);
-removed and moved-away segments are reclaimed by compaction.  Kernels never allocate: the Python side
-reserves room for the worst case of each call first.
+removed and moved-away segments are reclaimed by compaction.  Kernels never grow a table: appending stops
+before a token that might not fit (one token adds at most max_depth + 1 rows anywhere), the Python side
+doubles what is short and resumes.  The first use compiles the kernels (about a minute; numba caches them in
+``__pycache__`` for later processes, which then load in seconds).
 """
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -949,7 +952,7 @@ class ArrayTree:
 
     >>> t = ArrayTree(max_depth=8); t.extend(0, [1, 2, 3, 1, 2, 4])
     >>> t.speculate([5, 1, 2], max_spec=4).tokens
-    [3]
+    [3, 1]
     """
 
     def __init__(self, max_depth: int = 64) -> None:
@@ -1206,8 +1209,19 @@ class ArrayTree:
 
     def nbytes(self) -> int:
         """Bytes of the tables, token pool and id maps (allocated, not just used)."""
-        arrays = (*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta)
-        return sum(a.nbytes for a in arrays) + 2 * 100 * len(self._slot)
+        arrays = (
+            self.nodes,
+            self.groups,
+            self.eps,
+            self.meta,
+            self.tokens,
+            self.seqtab,
+            self.active,
+            self.actmeta,
+        )
+        hashes = (self.ckeys.base, self.ekeys.base)  # keys and values are the columns of one array each
+        maps = (self._slot, self._id_of, self._open)
+        return sum(a.nbytes for a in arrays + hashes) + sum(map(sys.getsizeof, maps))
 
 
 _ORDERS: dict[tuple, np.ndarray] = {}

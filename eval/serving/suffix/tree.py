@@ -291,7 +291,7 @@ class SuffixTree:
 
     >>> t = SuffixTree(max_depth=8); t.extend(0, [1, 2, 3, 1, 2, 4])
     >>> t.speculate([5, 1, 2], max_spec=4).tokens   # "1 2" was followed by 3 and by 4: the first seen leads
-    [3]
+    [3, 1]
     """
 
     def __init__(self, max_depth: int = 64) -> None:
