@@ -387,10 +387,11 @@ def trainer_bench(args, root: Path) -> dict:
     reference = held_out(ref)
     full_bytes = folder_bytes(next((ref / "checkpoints").glob("step_*")))
     running_bytes = folder_bytes(ref / "scar")  # one copy of every block: what a save of all would write
-    rows = [
-        trainer_trial(seed, args, root, tree, reference, scar)
-        for seed in tqdm(range(args.trials), desc="trainer")
-    ]
+    rows = []
+    for seed in tqdm(range(args.trials), desc="trainer"):
+        rows.append(trainer_trial(seed, args, root, tree, reference, scar))
+        if args.out:  # trials take minutes each: what is done so far survives an interrupted run
+            write_json_atomic(args.out, {"partial_rows": rows, "reference_held_out_kl": reference})
     for row in rows:
         row["full+rollback_bytes_per_step"] = full_bytes / args.full_every
         row["scar-max-change_bytes_per_step"] = (
