@@ -9,7 +9,9 @@ softmax runs over all columns, so the result equals softmax attention over the r
 (``tests/test_kvcompress.py`` checks this) while the transient memory is ``O(n·rank)`` instead of ``O(n·d)``.
 
 The same pass records token significance (``TaleLayer.record_significance``) for the exact tokens and
-then lets the layer compress what left the window.  A prefill over exact tokens only observes significance
+then lets the layer compress what left the window (a pass recorded for undo keeps its queries instead and
+observes at ``TaleLayer.crop``).  Tier scores and value sums of a decode step's few query rows come from
+``kvcompress.kernels`` (fused unpack-and-dot when numba is installed).  A prefill over exact tokens only observes significance
 from its last ``OBSERVED_QUERIES`` queries (SnapKV-style observation window) and runs the other queries
 through ``sdpa``: every prompt token outside the window is then judged by the same number of queries, as a
 decoded token is by the queries that arrive while it sits in the window, and prefill costs what sdpa costs.  Queries are processed in chunks so a long prefill

@@ -125,6 +125,50 @@ def decode_step_seconds(model, ids: torch.Tensor, cache, steps: int) -> list[flo
     return times
 
 
+@torch.no_grad()
+def attention_step_seconds(model, cache, context: int, steps: int, seed: int = 0) -> list[float]:
+    """Seconds of one layer's decode-step cache update + attention after ``context`` cached tokens.
+
+    This is the part of a decode step that differs between caches (projections and MLPs are the same), so
+    it can be timed at long contexts without a model prefill: random K/V/queries of the model's shapes in
+    its dtype; a ``TaleCache`` observes the prefill's significance from its last ``OBSERVED_QUERIES`` rows,
+    as a real prefill does, and compresses before the timed steps.
+    """
+    from .attention import attend
+    from .cache import OBSERVED_QUERIES
+
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(heads: int, n: int) -> torch.Tensor:
+        return torch.randn(1, heads, n, d, generator=gen).to(model.dtype)
+
+    kv_heads, q_heads, scale = cfg.num_key_value_heads, cfg.num_attention_heads, d**-0.5
+    if isinstance(cache, TaleCache):
+        layer = cache.layers[0]
+        layer.update(rand(kv_heads, context), rand(kv_heads, context))
+        attend(layer, rand(q_heads, OBSERVED_QUERIES), None, scale)
+
+        def step(q, k, v):
+            layer.update(k, v)
+            return attend(layer, q, None, scale)
+    else:
+        cache.update(rand(kv_heads, context), rand(kv_heads, context), 0)
+
+        def step(q, k, v):
+            keys, values = cache.update(k, v, 0)
+            return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+
+    times = []
+    for _ in range(steps):
+        q, k, v = rand(q_heads, 1), rand(kv_heads, 1), rand(kv_heads, 1)
+        start = time.perf_counter()
+        step(q, k, v)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def weight_svd_bases(model, layer_idx: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head left singular vectors of ``k_proj``/``v_proj`` (the data-free alternative to calibration)."""
     params = dict(model.named_parameters())

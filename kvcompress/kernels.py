@@ -31,28 +31,26 @@ SMALL_ROWS = 16  # query rows (query heads x tokens) up to which the fused kerne
 if numba is not None:
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
+    def _unpack(row, bits, codes):  # pragma: no cover - compiled
+        """One token's packed bytes into ``codes`` (float32), ``8 // bits`` codes a byte, lowest bits first."""
+        per, low = 8 // bits, (1 << bits) - 1
+        for j in range(row.shape[0]):
+            for k in range(per):
+                codes[j * per + k] = (row[j] >> (k * bits)) & low
+
+    @numba.njit(cache=True, fastmath=True, nogil=True)
     def _scores_kernel(packed, scale, zero, q, bits, out):  # pragma: no cover - compiled
-        b_n, h_n, n, nbytes = packed.shape
-        rows, rank = q.shape[2], q.shape[3]
-        groups = scale.shape[3]
+        rows, rank, groups = q.shape[2], q.shape[3], scale.shape[3]
         size = rank // groups
-        per = 8 // bits
-        low = (1 << bits) - 1
         codes = np.empty(rank, np.float32)
         qsum = np.empty((rows, groups), np.float32)
-        for b in range(b_n):
-            for h in range(h_n):
+        for b in range(packed.shape[0]):
+            for h in range(packed.shape[1]):
                 for i in range(rows):
                     for g in range(groups):
-                        acc = np.float32(0.0)
-                        for c in range(g * size, (g + 1) * size):
-                            acc += q[b, h, i, c]
-                        qsum[i, g] = acc
-                for t in range(n):
-                    for j in range(nbytes):
-                        byte = packed[b, h, t, j]
-                        for k in range(per):
-                            codes[j * per + k] = (byte >> (k * bits)) & low
+                        qsum[i, g] = q[b, h, i, g * size : (g + 1) * size].sum()
+                for t in range(packed.shape[2]):
+                    _unpack(packed[b, h, t], bits, codes)
                     for i in range(rows):
                         total = np.float32(0.0)
                         for g in range(groups):
@@ -64,20 +62,13 @@ if numba is not None:
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
     def _values_kernel(packed, scale, zero, p, bits, out):  # pragma: no cover - compiled
-        b_n, h_n, n, nbytes = packed.shape
-        rows, rank = p.shape[2], out.shape[3]
-        groups = scale.shape[3]
+        rows, rank, groups = p.shape[2], out.shape[3], scale.shape[3]
         size = rank // groups
-        per = 8 // bits
-        low = (1 << bits) - 1
         codes = np.empty(rank, np.float32)
-        for b in range(b_n):
-            for h in range(h_n):
-                for t in range(n):
-                    for j in range(nbytes):
-                        byte = packed[b, h, t, j]
-                        for k in range(per):
-                            codes[j * per + k] = (byte >> (k * bits)) & low
+        for b in range(packed.shape[0]):
+            for h in range(packed.shape[1]):
+                for t in range(packed.shape[2]):
+                    _unpack(packed[b, h, t], bits, codes)
                     for i in range(rows):
                         w = p[b, h, i, t]
                         if w == 0.0:
@@ -98,33 +89,22 @@ def _fused(tier: quant.QTensor, rows: int) -> bool:
     )
 
 
+def _run(kernel, tier: quant.QTensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``kernel`` over ``tier``'s codes with float32 scale/zero and ``rows``, filling and returning ``out``."""
+    arrays = (tier.data, tier.scale.float(), tier.zero.float(), rows.float().contiguous())
+    kernel(*(a.numpy() for a in arrays), tier.bits, out.numpy())
+    return out
+
+
 def tier_scores(q: torch.Tensor, tier: quant.QTensor) -> torch.Tensor:
     """``(b, h, rows, n)`` float32 scores of queries ``q`` ``(b, h, rows, rank)`` against a tier's key coefficients."""
     if not _fused(tier, q.shape[-2]):
         return q @ quant.dequantize(tier).transpose(-1, -2)
-    out = torch.empty(*q.shape[:-1], len(tier), dtype=torch.float32)
-    _scores_kernel(
-        tier.data.numpy(),
-        tier.scale.float().numpy(),
-        tier.zero.float().numpy(),
-        q.float().contiguous().numpy(),
-        tier.bits,
-        out.numpy(),
-    )
-    return out
+    return _run(_scores_kernel, tier, q, torch.empty(*q.shape[:-1], len(tier)))
 
 
 def tier_values(p: torch.Tensor, tier: quant.QTensor) -> torch.Tensor:
     """``(b, h, rows, rank)``: probabilities ``p`` ``(b, h, rows, n)`` times a tier's value coefficients."""
     if not _fused(tier, p.shape[-2]):
         return p @ quant.dequantize(tier)
-    out = torch.zeros(*p.shape[:-1], tier.rank, dtype=torch.float32)
-    _values_kernel(
-        tier.data.numpy(),
-        tier.scale.float().numpy(),
-        tier.zero.float().numpy(),
-        p.float().contiguous().numpy(),
-        tier.bits,
-        out.numpy(),
-    )
-    return out
+    return _run(_values_kernel, tier, p, torch.zeros(*p.shape[:-1], tier.rank))

@@ -5,12 +5,16 @@ formatted and joined) is split into --prefix tokens (prefilled, then compressed)
 --chunk-token steps; perplexity, KL to the uncompressed model and top-1 agreement are measured on the
 continuation.  Memory: bytes the cache really holds at the end, as a ratio to an fp16 KV cache of the same
 tokens.  Latency: median decode-step time after prefilling --latency-contexts tokens, methods interleaved
-in every repeat, as a ratio to the full cache measured in the same run.
+in every repeat, as a ratio to the full cache measured in the same run (every method on --threads torch
+threads; TALE's fused kernels, used when numba is installed (the `fast` extra), run on one).  Attention
+latency: the same, for one layer's cache update + attention over --attention-contexts cached tokens of
+random K/V (the part of a step that differs between caches, timed without a long prefill).
 
 examples:
   python scripts/bench_kvcompress.py MODEL out/kv --out out/bench_kv.json
   python scripts/bench_kvcompress.py MODEL out/kv --methods full,tale:0.25,quant:4 \\
       --limit 2 --latency-contexts 2048 --repeats 1
+  python scripts/bench_kvcompress.py MODEL out/kv --limit 0 --latency-contexts "" --latency-methods full,tale:0.25
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import time
 
 import torch
 
+from kvcompress import kernels
 from kvcompress.calibrate import accumulate, chat_sequences
 from kvcompress.evaluate import (
+    attention_step_seconds,
     compare,
     continuation_logits,
     decode_step_seconds,
@@ -52,6 +58,13 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument(
+        "--attention-contexts",
+        type=int_list,
+        default=[2048, 4096, 8192],
+        help="comma list; one layer's decode attention timed without a prefill; empty to skip",
+    )
+    p.add_argument("--attention-steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
@@ -126,6 +139,39 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
     return out
 
 
+def attention_latency(model, factors, args) -> dict[str, dict]:
+    """One layer's decode-step attention (cache update included) per method and context, interleaved."""
+    out: dict[str, dict] = {}
+    methods = args.latency_methods.split(",")
+    for ctx in args.attention_contexts:
+        steps = {m: [] for m in methods}
+        for r in range(args.repeats):
+            for m in methods:
+                cache = make_method(m, model, factors, args.sinks, args.window)()
+                steps[m].append(
+                    statistics.median(attention_step_seconds(model, cache, ctx, args.attention_steps, r))
+                )
+                print(
+                    f"  attention: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.3f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        base = statistics.median(steps[methods[0]])
+        for m in methods:
+            ms = statistics.median(steps[m])
+            out.setdefault(m, {})[str(ctx)] = {"ms": 1e3 * ms, "ratio_vs_" + methods[0]: ms / base}
+    return out
+
+
+def print_latency(title: str, lat: dict[str, dict], digits: int) -> None:
+    contexts = list(next(iter(lat.values())))
+    print(f"\n{title} (median; ratio vs first method)")
+    print(f"{'method':<16}" + "".join(f"{c:>18}" for c in contexts))
+    for m, per in lat.items():
+        cells = [f"{v['ms']:.{digits}f} ({list(v.values())[1]:.2f}x)" for v in per.values()]
+        print(f"{m:<16}" + "".join(f"{c:>18}" for c in cells))
+
+
 def compare_bases(model, tok, factors, ranks=(16, 32, 48)) -> dict[str, dict]:
     """Held-out energy each basis loses at each rank, averaged over layers and heads."""
     moments = accumulate(model, chat_sequences(tok, 512, 4, split="heldout", offset=500))
@@ -152,6 +198,7 @@ def bench(args) -> None:
     factors.check_model(model.config, model)
     q = quality(model, tok, factors, args) if args.limit else {}
     lat = latency(model, tok, factors, args) if args.latency_contexts else {}
+    attn = attention_latency(model, factors, args) if args.attention_contexts else {}
     bases = compare_bases(model, tok, factors) if args.compare_bases else {}
 
     if q:
@@ -166,12 +213,9 @@ def bench(args) -> None:
                 f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
             )
     if lat:
-        contexts = list(next(iter(lat.values())))
-        print("\ndecode ms/step (median; ratio vs first method)")
-        print(f"{'method':<16}" + "".join(f"{c:>18}" for c in contexts))
-        for m, per in lat.items():
-            cells = [f"{v['ms']:.1f} ({list(v.values())[1]:.2f}x)" for v in per.values()]
-            print(f"{m:<16}" + "".join(f"{c:>18}" for c in cells))
+        print_latency("decode ms/step", lat, 1)
+    if attn:
+        print_latency("one layer's decode-step attention + cache update, ms", attn, 3)
     if bases:
         print("\nheld-out energy lost by a rank-r basis (mean over layers/heads)")
         print(f"{'basis':<28}" + "".join(f"{'r=' + str(r):>9}" for r in next(iter(bases.values()))))
@@ -182,7 +226,15 @@ def bench(args) -> None:
 
         write_json_atomic(
             args.out,
-            {"args": vars(args), "quality": q, "latency": lat, "bases": bases, "anchor": "TALE paper: 9.1x"},
+            {
+                "args": vars(args),
+                "fused_kernels": kernels.numba is not None,
+                "quality": q,
+                "latency": lat,
+                "attention_latency": attn,
+                "bases": bases,
+                "anchor": "TALE paper: 9.1x",
+            },
         )
 
 

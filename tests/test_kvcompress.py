@@ -31,13 +31,18 @@ def tiny_config(**kw) -> LlamaConfig:
     return LlamaConfig(**{**base, **kw})
 
 
-@pytest.fixture(scope="module")
-def model_and_factors():
+def tiny_model_and_factors():
+    """A tiny random Llama switched to TALE attention, and factors calibrated on random tokens."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config()).eval()
     factors = factors_from_model(model, [torch.randint(0, 96, (1, 80)) for _ in range(4)])
     enable_tale(model)
     return model, factors
+
+
+@pytest.fixture(scope="module")
+def model_and_factors():
+    return tiny_model_and_factors()
 
 
 def tiered_policy(bits=(8, 4, 2), window=6, block=4) -> Policy:
@@ -49,6 +54,19 @@ def tiered_policy(bits=(8, 4, 2), window=6, block=4) -> Policy:
         tiers=[
             Tier(k_rank=r, v_rank=r, bits=b, fraction=f)
             for r, b, f in zip(ranks, bits, (0.25, 0.25, 0.5), strict=True)
+        ],
+    )
+
+
+def two_tier_policy(low_rank: int, window: int, block: int = 4) -> Policy:
+    """A lossy policy: a quarter of each block at full rank in int8, the rest at ``low_rank`` in int4."""
+    return Policy(
+        sinks=2,
+        window=window,
+        block=block,
+        tiers=[
+            Tier(k_rank=HEAD_DIM, v_rank=HEAD_DIM, bits=8, fraction=0.25),
+            Tier(k_rank=low_rank, v_rank=low_rank, bits=4, fraction=0.75),
         ],
     )
 

@@ -4,31 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kvcompress import HEAD_DIM, tiny_config
+from test_kvcompress import HEAD_DIM, tiny_config, tiny_model_and_factors, two_tier_policy
 from transformers import LlamaForCausalLM
 
-from kvcompress import Policy, TaleCache, Tier, enable_tale, uniform_policy
-from kvcompress.calibrate import factors_from_model
+from kvcompress import TaleCache, uniform_policy
 from kvcompress.quant import QTensor
 
-LOSSY = Policy(
-    sinks=2,
-    window=6,
-    block=4,
-    tiers=[
-        Tier(k_rank=16, v_rank=16, bits=8, fraction=0.25),
-        Tier(k_rank=8, v_rank=8, bits=4, fraction=0.75),
-    ],
-)
+LOSSY = two_tier_policy(8, window=6)
 
 
 @pytest.fixture(scope="module")
 def model_and_factors():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config()).eval()
-    factors = factors_from_model(model, [torch.randint(0, 96, (1, 80)) for _ in range(4)])
-    enable_tale(model)
-    return model, factors
+    return tiny_model_and_factors()
 
 
 def state(cache: TaleCache) -> list[torch.Tensor]:

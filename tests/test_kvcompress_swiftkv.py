@@ -3,11 +3,14 @@ and the layers a generate() prompt skips tier it from an observation window of d
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from conftest import tiny_base
+from test_kvcompress import two_tier_policy
 from transformers import DynamicCache
 
-from kvcompress import Policy, TaleCache, Tier, enable_tale, uniform_policy
+from kvcompress import TaleCache, enable_tale, uniform_policy
 from kvcompress.calibrate import factors_from_model
 from swiftkv.convert import to_swiftkv
 
@@ -37,15 +40,22 @@ def test_swiftkv_acrosskv_full_rank_matches_dynamic_cache():
     assert cache.layers[3].nbytes() == 0  # followers hold nothing: the group is compressed once
 
 
-LOSSY = Policy(
-    sinks=2,
-    window=8,
-    block=4,
-    tiers=[
-        Tier(k_rank=16, v_rank=16, bits=8, fraction=0.25),
-        Tier(k_rank=4, v_rank=4, bits=4, fraction=0.75),
-    ],
-)
+LOSSY = two_tier_policy(4, window=8)
+
+
+@contextlib.contextmanager
+def attention_hooks(model, layers, pick):
+    """Collect ``pick(output)`` of the attention modules of ``layers`` on every forward pass."""
+    seen: list[torch.Tensor] = []
+    hooks = [
+        model.model.layers[j].self_attn.register_forward_hook(lambda _m, _a, out: seen.append(pick(out)))
+        for j in layers
+    ]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def swiftkv_model():
@@ -82,19 +92,11 @@ def test_skipped_layers_tier_the_prompt_from_several_query_rows():
 
 def attention_outputs(model, ids, cache, prompt: int) -> list[torch.Tensor]:
     """Each decode step's attention output of the skipped layers (prompt prefilled as generate does)."""
-    outs: list[torch.Tensor] = []
-    hooks = [
-        model.model.layers[j].self_attn.register_forward_hook(lambda _m, _a, out: outs.append(out[0]))
-        for j in range(2, 6)
-    ]
-    try:
+    with attention_hooks(model, range(2, 6), lambda out: out[0]) as outs:
         model(ids[:, :prompt], cache=cache, logits_to_keep=1)
         outs.clear()
         for i in range(prompt, ids.shape[1]):
             model(ids[:, i : i + 1], cache=cache)
-    finally:
-        for h in hooks:
-            h.remove()
     return outs
 
 
@@ -119,20 +121,12 @@ def future_attention(model, ids, prompt: int) -> torch.Tensor:
     """``(kv_heads, prompt)``: attention the prompt receives from all decode queries of layers 2-3 (the readers of
     KV leader 2) with the full cache, times the keys each query saw, averaged over a KV head's query heads."""
     model.set_attn_implementation("eager")
-    weights: list[torch.Tensor] = []
-    hooks = [
-        model.model.layers[j].self_attn.register_forward_hook(lambda _m, _a, out: weights.append(out[1]))
-        for j in (2, 3)
-    ]
-    try:
+    with attention_hooks(model, (2, 3), lambda out: out[1]) as weights:
         cache = DynamicCache(config=model.config)
         model(ids[:, :prompt], cache=cache, logits_to_keep=1)
         weights.clear()
         for i in range(prompt, ids.shape[1]):
             model(ids[:, i : i + 1], cache=cache)
-    finally:
-        for h in hooks:
-            h.remove()
     heads = model.config.num_key_value_heads
     return sum(w[0, :, -1, :prompt] * w.shape[-1] for w in weights).reshape(heads, -1, prompt).mean(1)
 
