@@ -117,42 +117,19 @@ def quality(model, tok, factors, args) -> dict[str, dict]:
     return rows
 
 
-def latency(model, tok, factors, args) -> dict[str, dict]:
+def interleaved(model, factors, args, label: str, contexts, seconds) -> dict[str, dict]:
+    """Median of ``seconds(cache, ctx, repeat)`` per method and context, every repeat running every method once
+    (interleaved A/B), with the ratio to the first method of the same run."""
     out: dict[str, dict] = {}
     methods = args.latency_methods.split(",")
-    for ctx in args.latency_contexts:
-        ids = next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000))
-        steps = {m: [] for m in methods}
-        for r in range(args.repeats):
-            for m in methods:  # interleaved A/B: every repeat runs every method once
-                cache = make_method(m, model, factors, args.sinks, args.window)()
-                steps[m].append(statistics.median(decode_step_seconds(model, ids, cache, args.decode_steps)))
-                print(
-                    f"  latency: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.1f} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        base = statistics.median(steps[methods[0]])
-        for m in methods:
-            ms = statistics.median(steps[m])
-            out.setdefault(m, {})[str(ctx)] = {"ms": 1e3 * ms, "ratio_vs_" + methods[0]: ms / base}
-    return out
-
-
-def attention_latency(model, factors, args) -> dict[str, dict]:
-    """One layer's decode-step attention (cache update included) per method and context, interleaved."""
-    out: dict[str, dict] = {}
-    methods = args.latency_methods.split(",")
-    for ctx in args.attention_contexts:
+    for ctx in contexts:
         steps = {m: [] for m in methods}
         for r in range(args.repeats):
             for m in methods:
                 cache = make_method(m, model, factors, args.sinks, args.window)()
-                steps[m].append(
-                    statistics.median(attention_step_seconds(model, cache, ctx, args.attention_steps, r))
-                )
+                steps[m].append(statistics.median(seconds(cache, ctx, r)))
                 print(
-                    f"  attention: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.3f} ms",
+                    f"  {label}: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.3f} ms",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -161,6 +138,28 @@ def attention_latency(model, factors, args) -> dict[str, dict]:
             ms = statistics.median(steps[m])
             out.setdefault(m, {})[str(ctx)] = {"ms": 1e3 * ms, "ratio_vs_" + methods[0]: ms / base}
     return out
+
+
+def latency(model, tok, factors, args) -> dict[str, dict]:
+    """Whole-model decode steps after prefilling held-out text of each context."""
+
+    texts = {
+        ctx: next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000)) for ctx in args.latency_contexts
+    }
+
+    def seconds(cache, ctx, _repeat):
+        return decode_step_seconds(model, texts[ctx], cache, args.decode_steps)
+
+    return interleaved(model, factors, args, "latency", args.latency_contexts, seconds)
+
+
+def attention_latency(model, factors, args) -> dict[str, dict]:
+    """One layer's decode-step attention (cache update included) per method and context."""
+
+    def seconds(cache, ctx, repeat):
+        return attention_step_seconds(model, cache, ctx, args.attention_steps, repeat)
+
+    return interleaved(model, factors, args, "attention", args.attention_contexts, seconds)
 
 
 def print_latency(title: str, lat: dict[str, dict], digits: int) -> None:
