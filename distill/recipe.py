@@ -36,6 +36,18 @@ class SwiftKVOptions(_Section):
     )
     init_rows: int = Field(32, ge=1, description="training rows (of data.seq_len tokens) for init: lstsq")
     init_ridge: float = Field(1e-3, ge=0, description="ridge, relative to the mean feature energy")
+    local_steps: int = Field(
+        0,
+        ge=0,
+        description="after the init, Adam steps per SwiftKV group of local distillation: its projections "
+        "trained to reproduce each layer's teacher attention output (distill.local); 0: off",
+    )
+    local_lr: float = Field(
+        1e-3, gt=0, description="peak (cosine-decayed) learning rate of local distillation"
+    )
+    local_rows: int = Field(
+        64, ge=1, description="training rows (of data.seq_len tokens) for local distillation"
+    )
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -41,7 +41,8 @@ from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
 from .data import build_datasets, check_sources, collate_rows
 from .elastic import Resume, ResumeError, elastic_checkpoint, fresh, plan, world_state
-from .objective import DistillationObjective
+from .local import distill_locally
+from .objective import DistillationObjective, metrics_from_sums
 from .recipe import Recipe
 
 _RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
@@ -90,16 +91,28 @@ def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
     return converted
 
 
-def fit_initial_kv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
-    """``model.swiftkv.init: lstsq``: fit the K/V projections of a freshly converted model to the teacher's
-    keys/values on the first ``init_rows`` training rows (``swiftkv.calibrate``).  Every rank takes part
-    on its share of the rows, layer by layer on its device (ZeRO-3: one gathered layer at a time), so the
-    whole model never has to fit on one device."""
-    n = min(recipe.model.swiftkv.init_rows, len(rows))
+def init_swiftkv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
+    """Start a freshly converted model's SwiftKV projections closer to the teacher than the copies:
+    ``model.swiftkv.init: lstsq`` fits the K/V projections to the teacher's keys/values on the first
+    ``init_rows`` training rows (``swiftkv.calibrate``), then ``local_steps > 0`` trains each group's projections
+    on the teacher's attention outputs of the first ``local_rows`` rows (``distill.local``).  Every rank takes
+    part on its share of the rows, layer by layer on its device (ZeRO-3: one gathered layer or group at a
+    time), so the whole model never has to fit on one device."""
+    opts = recipe.model.swiftkv
     batch, rank, world = recipe.train.micro_batch_size, accelerator.process_index, accelerator.num_processes
-    batches = [rows[i : min(i + batch, n)] for i in range(rank * batch, n, world * batch)]
-    stats = fit_swiftkv_kv(model, batches, recipe.model.swiftkv.init_ridge, device=accelerator.device)
-    accelerator.print(f"least-squares K/V init: {stats}")
+
+    def share(n: int) -> list:
+        n = min(n, len(rows))
+        return [rows[i : min(i + batch, n)] for i in range(rank * batch, n, world * batch)]
+
+    if opts.init == "lstsq":
+        stats = fit_swiftkv_kv(model, share(opts.init_rows), opts.init_ridge, device=accelerator.device)
+        accelerator.print(f"least-squares K/V init: {stats}")
+    if opts.local_steps:
+        stats = distill_locally(
+            model, share(opts.local_rows), opts.local_steps, opts.local_lr, device=accelerator.device
+        )
+        accelerator.print(f"local distillation: {stats}")
 
 
 def load_model(recipe: Recipe, source: Path):
@@ -241,8 +254,8 @@ def setup(recipe: Recipe) -> Run:
         )
     model = load_model(recipe, source)
     opts = recipe.model.swiftkv
-    if ckpt is None and opts is not None and opts.init == "lstsq" and source == _converted_dir(recipe):
-        fit_initial_kv(recipe, accelerator, model, train_rows)  # a given SwiftKV source is kept as it is
+    if ckpt is None and opts is not None and source == _converted_dir(recipe):
+        init_swiftkv(recipe, accelerator, model, train_rows)  # a given SwiftKV source is kept as it is
     model = select_trainable(model, recipe)
     train_loader = DataLoader(  # rows stay in the datasets cache (Arrow, memory-mapped), read row by row
         train_rows,
@@ -421,21 +434,15 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
-    """Held-out KL(teacher || student) at T=1, top-1 agreement and the training loss, over counted tokens."""
+    """Held-out KL(teacher || student) at T=1, top-1 agreement and both perplexities, over counted tokens."""
     run.objective.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=run.accelerator.device)
+    sums = torch.zeros(5, dtype=torch.float64, device=run.accelerator.device)
     for i, (ids, pos, mask) in enumerate(run.eval_loader):
         if i >= run.recipe.log.eval_batches:
             break
         sums += run.objective(ids, pos, mask)["metrics"]
     run.objective.train()
-    sums = run.accelerator.reduce(sums, "sum")
-    n = max(sums[2].item(), 1.0)
-    return {
-        "eval_kl": sums[0].item() / n,
-        "eval_top1_agreement": sums[1].item() / n,
-        "eval_tokens": int(sums[2].item()),
-    }
+    return {f"eval_{k}": v for k, v in metrics_from_sums(run.accelerator.reduce(sums, "sum")).items()}
 
 
 def export(run: Run, metrics: dict) -> Path:

@@ -44,7 +44,7 @@ def _sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _on_device(modules: list[nn.Module], device: torch.device, modify: bool = False) -> Iterator[None]:
+def on_device(modules: list[nn.Module], device: torch.device, modify: bool = False) -> Iterator[None]:
     """The modules' full weights on ``device`` for the duration: gathered ZeRO-3 partitions (``modify``: rank
     0's in-place edits are kept), or a temporary move of each module that lives elsewhere."""
     params = [p for m in modules for p in m.parameters()]
@@ -124,7 +124,7 @@ def fit_swiftkv_kv(
     device = torch.device(device) if device is not None else next(model.parameters()).device
     fit = _Fit(config.hidden_size, base.kv_leaders[0].k_proj_swiftkv.bias is not None, device)
     batches = [{k: v for k, v in b.items() if k in ("input_ids", "position_ids")} for b in batches]
-    with _on_device([base.embed_tokens], device):
+    with on_device([base.embed_tokens], device):
         hidden = [base.embed_tokens(b["input_ids"].to(device)).cpu() for b in batches]
     normed: list[torch.Tensor] = []  # norm_swiftkv(x_l) per batch
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # tokens, sum_j ||y_j||^2
@@ -133,7 +133,7 @@ def fit_swiftkv_kv(
         layer, leader = base.layers[j], l + (j - l) // g * g
         members = min(g, num_layers - leader)
         modules = [layer, base.norm_swiftkv] if j == l else [layer]
-        with _on_device(modules, device):
+        with on_device(modules, device):
             if j >= l and j == leader:
                 for kind in "kv":
                     fit.keep_copy(kind, getattr(layer.self_attn, f"{kind}_proj_swiftkv"))
@@ -173,7 +173,7 @@ def _write_group(fit: _Fit, leader: nn.Module, device: torch.device) -> dict[str
     """Solve one group's K and V, write them into its leader's projections, return the excess errors."""
     excess = {"fit": 0.0, "copy": 0.0}
     projs = [leader.k_proj_swiftkv, leader.v_proj_swiftkv]
-    with _on_device(projs, device, modify=True):
+    with on_device(projs, device, modify=True):
         for kind, proj in zip("kv", projs, strict=True):
             solution, fitted, copied = fit.solve(kind)
             excess["fit"], excess["copy"] = excess["fit"] + fitted, excess["copy"] + copied
