@@ -28,11 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from swiftkv.calibrate import Batch, on_device
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+from swiftkv.calibrate import Batch, is_distributed, on_device, sum_across_ranks
 
 
 def _trainable(model: nn.Module, leader: int, members: list[int]) -> dict[str, nn.Linear]:
@@ -86,8 +82,7 @@ def _mean_loss(group: _Group, weights, device) -> float:
             [sum(group.loss(i, weights, device).item() for i in range(len(group.rows))), len(group.rows)],
             dtype=torch.float64,
         )
-    if _distributed():
-        dist.all_reduce(total)
+    sum_across_ranks(total)
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -112,7 +107,7 @@ def _train_group(
         loss = group.loss(step % len(group.rows), weights, device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if _distributed():
+        if is_distributed():
             for p in params:
                 dist.all_reduce(p.grad)
                 p.grad /= dist.get_world_size()

@@ -33,12 +33,12 @@ from torch import nn
 Batch = Mapping[str, torch.Tensor]  # input_ids, and optionally position_ids
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
-    if _distributed():
+def sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
         dist.all_reduce(t)
     return t
 
@@ -88,7 +88,7 @@ class _Fit:
 
     def factor(self, ridge: float) -> None:
         """Sum H^T H across ranks and factor H^T H + lambda I; lambda is ``ridge`` x its mean diagonal."""
-        _sum_across_ranks(self.hth)
+        sum_across_ranks(self.hth)
         eye = torch.eye(len(self.hth), dtype=torch.float64, device=self.hth.device)
         self.lu = torch.linalg.lu_factor(self.hth + ridge * self.hth.diagonal().mean() * eye)
 
@@ -99,9 +99,9 @@ class _Fit:
     def solve(self, kind: str) -> tuple[torch.Tensor, float, float]:
         """This group's ridge solution ``(in+bias, out)`` for ``kind`` and the excess error of the fit and of
         the copy initialization; the group's moments are then dropped."""
-        hty = _sum_across_ranks(self.hty.pop(kind))
+        hty = sum_across_ranks(self.hty.pop(kind))
         solution = torch.linalg.lu_solve(*self.lu, hty)
-        if _distributed():  # every rank writes the same solution, bit for bit
+        if is_distributed():  # every rank writes the same solution, bit for bit
             dist.broadcast(solution, 0)
         return solution, self._excess(solution, hty), self._excess(self.copy.pop(kind), hty)
 
@@ -160,7 +160,7 @@ def fit_swiftkv_kv(
         if j >= l and j == min(leader + g, num_layers) - 1:  # the group's last layer: solve and write
             for name, excess in _write_group(fit, base.layers[leader].self_attn, device).items():
                 errors[name] += members * excess
-    _sum_across_ranks(sums)
+    sum_across_ranks(sums)
     energy = max(sums[1].item(), 1e-30)
     return {
         "tokens": int(sums[0].item()),
