@@ -488,10 +488,13 @@ def loop(run: Run) -> Path:
     skip = (step * acc.gradient_accumulation_steps) % max(epoch_batches, 1)
     epoch = (step * acc.gradient_accumulation_steps) // max(epoch_batches, 1)
     parts = []  # this step's micro-batch losses: the logged loss is their mean, the same on any world size
+    # tokens processed per optimizer step (every position of the global batch): the x of the quality curve,
+    # the same on any world size because an elastic resume keeps the global batch
+    step_tokens = cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
     initial = evaluate(run) if step == 0 else {}
     if acc.is_main_process and initial:
         with open(log_path, "a") as f:
-            f.write(json.dumps({"step": 0, **initial}) + "\n")
+            f.write(json.dumps({"step": 0, "train_tokens": 0, **initial}) + "\n")
     bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
     run.objective.train()
     while step < run.max_steps:
@@ -529,7 +532,7 @@ def loop(run: Run) -> Path:
                 if run.comm is not None:
                     record.update(run.comm.summary())
             if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0 and step < run.max_steps:
-                record.update(evaluate(run))
+                record.update(train_tokens=step * step_tokens, **evaluate(run))
             if acc.is_main_process and len(record) > 2:
                 with open(log_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -542,6 +545,9 @@ def loop(run: Run) -> Path:
         epoch, skip = epoch + 1, 0
     bar.close()
     metrics = evaluate(run)
+    if acc.is_main_process:  # the curve's last point, then the metrics the export's provenance carries
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "train_tokens": step * step_tokens, **metrics}) + "\n")
     metrics["train_seconds"] = time.perf_counter() - t0
     if acc.is_main_process:
         write_json_atomic(run.out / "final_metrics.json", metrics)

@@ -23,6 +23,7 @@ EPILOG = """examples:
       --include_path out/tasks --tasks sharegpt_ppl --device cpu
   python -m eval quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
   python -m eval report out/demo                       # report.md + PNGs from out/demo/run.json
+  python -m eval report out/demo --curve out/curve/swiftkv25 out/curve/swiftkv50   # + longer runs' curves
   python -m eval vllm-args out/smollm2-swiftkv50 --suffix-cache out/suffix-cache --ranker out/ranker
 """
 
@@ -55,6 +56,14 @@ def build_parser() -> ArgumentParser:
     quality.add_argument("--prompts", type=int, default=8, help="prompts for greedy agreement (default: 8)")
     report = sub.add_parser("report", help="report.md and PNG plots from RUN_DIR/run.json")
     add_model(report, "run_dir", help="run folder holding run.json")
+    report.add_argument(
+        "--curve",
+        nargs="+",
+        type=existing_path,
+        default=[],
+        metavar="DIR",
+        help="output folders of longer distillations whose held-out curves join the report's",
+    )
     serve = sub.add_parser(
         "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
     )
@@ -99,7 +108,7 @@ def _command(args) -> str:
         return serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell()
     from .report import write_report
 
-    return str(write_report(args.run_dir))
+    return str(write_report(args.run_dir, args.curve))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""``report.md`` and PNG plots from a run's ``run.json`` (variant x quality x speed x KV memory).
+"""``report.md`` and PNG plots from a run's ``run.json`` (variant x quality x speed x KV memory, and each
+variant's held-out quality against tokens trained).
 
 Every number in the report is read from run.json, which the run that measured it wrote; the report lists
 the commands of that run.
@@ -88,8 +89,64 @@ def plots(run: dict, out: Path) -> list[Path]:
     return [prefill_png, quality_png]
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write ``report.md`` and the PNGs into ``run_dir`` from its ``run.json``; return the report path."""
+def read_curve(out: str | Path) -> list[dict]:
+    """The held-out evaluations of a distillation (``out/log.jsonl``) that carry their token count, one per step
+    in step order; a resumed run's records replace those the interrupted run wrote for the same steps."""
+    path = Path(out) / "log.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; to resolve, pass the output_dir of a distillation run")
+    by_step = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "eval_kl" in record and "train_tokens" in record:
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def curve_table(curves: dict[str, list[dict]]) -> list[str]:
+    lines = [
+        "| run | step | tokens trained | held-out KL | top-1 agree | ppl student / teacher |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, points in curves.items():
+        for r in points:
+            ratio = r["eval_ppl_student"] / r["eval_ppl_teacher"]
+            lines.append(
+                f"| {name} | {r['step']} | {r['train_tokens']:,} | {r['eval_kl']:.3f} "
+                f"| {r['eval_top1_agreement']:.3f} | {r['eval_ppl_student']:.2f} / {r['eval_ppl_teacher']:.2f} "
+                f"(×{ratio:.3f}) |"
+            )
+    return lines
+
+
+def curve_plot(curves: dict[str, list[dict]], path: Path) -> Path:
+    """Held-out KL and perplexity ratio against tokens trained, one line per run."""
+    fig, (kl_ax, ppl_ax) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name, points in curves.items():
+        tokens = [r["train_tokens"] / 1000 for r in points]
+        kl_ax.plot(tokens, [r["eval_kl"] for r in points], marker="o", markersize=3, label=name)
+        ppl_ax.plot(
+            tokens,
+            [r["eval_ppl_student"] / r["eval_ppl_teacher"] for r in points],
+            marker="o",
+            markersize=3,
+            label=name,
+        )
+    kl_ax.set(xlabel="thousand tokens trained", ylabel="held-out KL (teacher || student)", yscale="log")
+    ppl_ax.set(xlabel="thousand tokens trained", ylabel="perplexity student / teacher")
+    kl_ax.legend(fontsize=7)
+    fig.suptitle("Distillation: held-out quality vs tokens trained", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: str | Path, curve_runs: list[str | Path] = ()) -> Path:
+    """Write ``report.md`` and the PNGs into ``run_dir`` from its ``run.json``; return the report path.
+
+    ``curve_runs``: output folders of longer distillations (``recipes/swiftkv_smollm2_cpu_curve.yaml``) whose
+    held-out curves are drawn beside the job's own, so the report shows where more training stops paying."""
     run_dir = Path(run_dir)
     path = run_dir / "run.json"
     if not path.is_file():
@@ -97,7 +154,28 @@ def write_report(run_dir: str | Path) -> Path:
             f"{path} not found; to resolve, run the demo (scripts/demo.py) into {run_dir} first"
         )
     run = json.loads(path.read_text())
+    curves = {
+        f"{v['name']} (this job)": v["distill"]["curve"]
+        for v in run["variants"]
+        if (v.get("distill") or {}).get("curve")
+    }
+    curves.update({f"{Path(d).name} (longer run)": read_curve(d) for d in curve_runs})  # before any output
     pngs = plots(run, run_dir)
+    curve_lines = []
+    if curves:
+        png = curve_plot(curves, run_dir / "quality_vs_tokens.png")
+        curve_lines = [
+            "## Held-out quality vs tokens trained",
+            "",
+            f"![{png.stem}]({png.name})",
+            "",
+            "On each distillation's train-side holdout (the recipe's `data.holdout`), not the evaluation split above.",
+            "",
+            *curve_table(curves),
+            "",
+            *[f"Longer run: `{Path(d) / 'log.jsonl'}`." for d in curve_runs],
+            "",
+        ]
     meta = run["meta"]
     lines = [
         f"# SwiftKV report: {meta['model']}",
@@ -110,6 +188,7 @@ def write_report(run_dir: str | Path) -> Path:
         "",
         *[f"![{p.stem}]({p.name})" for p in pngs],
         "",
+        *curve_lines,
         "## Commands",
         "",
         *[f"    {c}" for c in run["commands"]],

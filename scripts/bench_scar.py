@@ -306,9 +306,6 @@ def held_out(out: Path) -> dict[int, float]:
         record = json.loads(line)
         if "eval_kl" in record:
             curve[record["step"]] = record["eval_kl"]
-    final = out / "final_metrics.json"
-    if final.is_file():
-        curve[max(curve) + 1] = json.loads(final.read_text())["eval_kl"]
     return curve
 
 

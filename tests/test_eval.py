@@ -137,6 +137,42 @@ def test_report_from_a_fixture_run(tmp_path):
     assert "    python -m eval run --quick" in report
 
 
+def _eval_record(step: int, kl: float, **extra) -> dict:
+    return {"step": step, "train_tokens": step * 1024, "eval_kl": kl, "eval_top1_agreement": 1 - kl,
+            "eval_tokens": 500, "eval_ppl_student": 5.0 + kl, "eval_ppl_teacher": 5.0, **extra}
+
+
+def test_report_draws_the_jobs_and_longer_runs_quality_curves(tmp_path):
+    run = json.loads(json.dumps(RUN))
+    run["variants"][1]["distill"] = {"curve": [_eval_record(0, 0.9), _eval_record(60, 0.4)]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    longer = tmp_path / "curve" / "swiftkv50"
+    longer.mkdir(parents=True)
+    lines = [
+        {"step": 0, "train_tokens": 0, "lr": 1e-3},  # a training record, not an evaluation
+        _eval_record(0, 0.9),
+        _eval_record(200, 0.5),  # the interrupted run's; the resumed run's record replaces it
+        {"step": 200, "eval_kl": 0.7},  # an old record without a token count is left out
+        _eval_record(200, 0.3),
+        _eval_record(400, 0.2),
+    ]
+    (longer / "log.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+    report = write_report(tmp_path, [longer]).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| swiftkv50 (")]
+    assert rows == [
+        "| swiftkv50 (this job) | 0 | 0 | 0.900 | 0.100 | 5.90 / 5.00 (×1.180) |",
+        "| swiftkv50 (this job) | 60 | 61,440 | 0.400 | 0.600 | 5.40 / 5.00 (×1.080) |",
+        "| swiftkv50 (longer run) | 0 | 0 | 0.900 | 0.100 | 5.90 / 5.00 (×1.180) |",
+        "| swiftkv50 (longer run) | 200 | 204,800 | 0.300 | 0.700 | 5.30 / 5.00 (×1.060) |",
+        "| swiftkv50 (longer run) | 400 | 409,600 | 0.200 | 0.800 | 5.20 / 5.00 (×1.040) |",
+    ]
+    assert (tmp_path / "quality_vs_tokens.png").stat().st_size > 1000
+    assert "](quality_vs_tokens.png)" in report and str(longer / "log.jsonl") in report
+
+    with pytest.raises(FileNotFoundError, match="pass the output_dir of a distillation run"):
+        write_report(tmp_path, [tmp_path / "missing"])
+
+
 def test_report_without_a_run_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="run.json not found"):
         write_report(tmp_path)
