@@ -93,6 +93,21 @@ def test_a_world_size_that_cannot_continue_is_refused(tmp_path, over, now, messa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_checkpoint_of_the_older_format_is_refused_in_one_line(tmp_path):
+    """trainer_state.json from before checkpoints recorded their launch: a ResumeError naming what is missing,
+    not a KeyError."""
+    path = recipe_file(tmp_path)
+    state_file = fake_checkpoint(path, 2, 1) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("global_batch", "zero_stage"):
+        del state[key]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ResumeError) as err:
+        resume_point(load_recipe(path), 2, 0)
+    assert "does not record global_batch, zero_stage (an older format); to resolve" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_another_zero_stage_is_refused_by_name_before_any_work(tmp_path):
     """A ZeRO-2 checkpoint relaunched without DeepSpeed: one line, exit 2, nothing written (the model source
     does not even exist: the check comes before conversion, data and model)."""
