@@ -77,7 +77,9 @@ def fresh(recipe: Recipe, processes: int) -> Resume:
 def plan(ckpt: Path, state: dict, recipe: Recipe, processes: int, zero_stage: int) -> Resume:
     """The resume of ``ckpt`` (its ``trainer_state.json`` read into ``state``) on ``processes`` processes;
     raises ResumeError, with the fix, when it cannot continue there."""
-    missing = [k for k in ("step", "num_processes", "grad_accum", "global_batch", "zero_stage") if k not in state]
+    missing = [
+        k for k in ("step", "num_processes", "grad_accum", "global_batch", "zero_stage") if k not in state
+    ]
     if missing:  # written before checkpoints recorded their launch (or not by this trainer)
         raise ResumeError(
             f"checkpoint {ckpt} does not record {', '.join(missing)} (an older format); to resolve, finish it "

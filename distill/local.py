@@ -46,9 +46,16 @@ class _Group:
     """One AcrossKV group's calibration data (per batch: h, each member's normed input and teacher attention
     output, all on the host) and its loss for given projection weights."""
 
-    def __init__(self, model: nn.Module, leader: int, members: list[int]) -> None:
+    def __init__(self, model: nn.Module, leader: int, members: list[int], prepared: list, h: list) -> None:
         self.model, self.leader, self.members = model, leader, members
-        self.rows: list[dict] = []
+        self.rows = [
+            {"prepared": p, "h": hi, "normed": [], "target": []} for p, hi in zip(prepared, h, strict=True)
+        ]
+
+    def record(self, i: int, normed: torch.Tensor, target: torch.Tensor) -> None:
+        """Batch ``i``'s next member: its teacher's normed input and attention output (kept on the host)."""
+        self.rows[i]["normed"].append(normed.cpu())
+        self.rows[i]["target"].append(target.cpu())
 
     def loss(
         self, i: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]], device
@@ -162,19 +169,15 @@ def distill_locally(
     errors, tokens = [], sum(x.shape[0] * x.shape[1] for x in hidden)
     for leader in range(l, num_layers, g):
         members = list(range(leader, min(leader + g, num_layers)))
-        group = _Group(model, leader, members)
-        group.rows = [
-            {"prepared": p, "h": hi, "normed": [], "target": []} for p, hi in zip(prepared, h, strict=True)
-        ]
+        group = _Group(model, leader, members, prepared, h)
         for j in members:  # the members' teacher inputs and attention outputs, then the teacher's next hidden
             layer = base.layers[j]
             with torch.no_grad(), on_device([layer], device):
                 for i, (x, p) in enumerate(zip(hidden, prepared, strict=True)):
                     x = x.to(device)
                     normed = layer.input_layernorm(x)
-                    group.rows[i]["normed"].append(normed.cpu())
-                    group.rows[i]["target"].append(
-                        layer.self_attn(normed, p.position_embeddings, p.attention_mask)[0].cpu()
+                    group.record(
+                        i, normed, layer.self_attn(normed, p.position_embeddings, p.attention_mask)[0]
                     )
                     hidden[i] = base._run([layer], x, p).cpu()
         modules = [base.layers[j] for j in members]

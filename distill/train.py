@@ -490,7 +490,9 @@ def loop(run: Run) -> Path:
     parts = []  # this step's micro-batch losses: the logged loss is their mean, the same on any world size
     # tokens processed per optimizer step (every position of the global batch): the x of the quality curve,
     # the same on any world size because an elastic resume keeps the global batch
-    step_tokens = cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
+    step_tokens = (
+        cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
+    )
     initial = evaluate(run) if step == 0 else {}
     if acc.is_main_process and initial:
         with open(log_path, "a") as f:

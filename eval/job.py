@@ -181,7 +181,12 @@ def _distill(train, recipe) -> dict:
     out = Path(recipe.output_dir)
     first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
     final = json.loads((out / "final_metrics.json").read_text())
-    return {"model": str(model_dir), "initial_eval_kl": first.get("eval_kl"), **final, "curve": read_curve(out)}
+    return {
+        "model": str(model_dir),
+        "initial_eval_kl": first.get("eval_kl"),
+        **final,
+        "curve": read_curve(out),
+    }
 
 
 def _speed(measured: list[dict], cfg: dict) -> dict:

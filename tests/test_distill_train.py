@@ -246,7 +246,9 @@ def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
     assert len(reference) == 6
     evals = [r for r in records(out) if "eval_kl" in r]
     assert [r["step"] for r in evals] == [0, 2, 4, 6]  # the last one is the final evaluation
-    assert [r["train_tokens"] for r in evals] == [r["step"] * 64 * 2 * 4 * 2 for r in evals]  # seq x batch x accum x ranks
+    assert [r["train_tokens"] for r in evals] == [
+        r["step"] * 64 * 2 * 4 * 2 for r in evals
+    ]  # seq x batch x accum x ranks
     # the fit alone removes most of the KL the copy init has; training then goes on from there
     assert held_out_metrics(recipe, out / "converted")[0] > 3 * evals[0]["eval_kl"]
     assert json.loads((out / "final_metrics.json").read_text())["eval_kl"] < evals[0]["eval_kl"]

@@ -138,8 +138,16 @@ def test_report_from_a_fixture_run(tmp_path):
 
 
 def _eval_record(step: int, kl: float, **extra) -> dict:
-    return {"step": step, "train_tokens": step * 1024, "eval_kl": kl, "eval_top1_agreement": 1 - kl,
-            "eval_tokens": 500, "eval_ppl_student": 5.0 + kl, "eval_ppl_teacher": 5.0, **extra}
+    return {
+        "step": step,
+        "train_tokens": step * 1024,
+        "eval_kl": kl,
+        "eval_top1_agreement": 1 - kl,
+        "eval_tokens": 500,
+        "eval_ppl_student": 5.0 + kl,
+        "eval_ppl_teacher": 5.0,
+        **extra,
+    }
 
 
 def test_report_draws_the_jobs_and_longer_runs_quality_curves(tmp_path):
