@@ -493,10 +493,14 @@ def loop(run: Run) -> Path:
     step_tokens = (
         cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
     )
-    initial = evaluate(run) if step == 0 else {}
-    if acc.is_main_process and initial:
-        with open(log_path, "a") as f:
-            f.write(json.dumps({"step": 0, "train_tokens": 0, **initial}) + "\n")
+
+    def log(record: dict) -> None:
+        if acc.is_main_process:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    if step == 0:
+        log({"step": 0, "train_tokens": 0, **evaluate(run)})
     bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
     run.objective.train()
     while step < run.max_steps:
@@ -535,9 +539,8 @@ def loop(run: Run) -> Path:
                     record.update(run.comm.summary())
             if cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0 and step < run.max_steps:
                 record.update(train_tokens=step * step_tokens, **evaluate(run))
-            if acc.is_main_process and len(record) > 2:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            if len(record) > 2:
+                log(record)
             if step % cfg.checkpoint.every_steps == 0 or step == run.max_steps:
                 save_checkpoint(run, step)
             if run.scar is not None:
@@ -547,9 +550,7 @@ def loop(run: Run) -> Path:
         epoch, skip = epoch + 1, 0
     bar.close()
     metrics = evaluate(run)
-    if acc.is_main_process:  # the curve's last point, then the metrics the export's provenance carries
-        with open(log_path, "a") as f:
-            f.write(json.dumps({"step": step, "train_tokens": step * step_tokens, **metrics}) + "\n")
+    log({"step": step, "train_tokens": step * step_tokens, **metrics})  # the curve's last point
     metrics["train_seconds"] = time.perf_counter() - t0
     if acc.is_main_process:
         write_json_atomic(run.out / "final_metrics.json", metrics)

@@ -179,14 +179,10 @@ def _distill(train, recipe) -> dict:
 
     model_dir = train(recipe)
     out = Path(recipe.output_dir)
-    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
     final = json.loads((out / "final_metrics.json").read_text())
-    return {
-        "model": str(model_dir),
-        "initial_eval_kl": first.get("eval_kl"),
-        **final,
-        "curve": read_curve(out),
-    }
+    curve = read_curve(out)
+    initial = curve[0]["eval_kl"] if curve and curve[0]["step"] == 0 else None
+    return {"model": str(model_dir), "initial_eval_kl": initial, **final, "curve": curve}
 
 
 def _speed(measured: list[dict], cfg: dict) -> dict:

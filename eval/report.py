@@ -103,6 +103,10 @@ def read_curve(out: str | Path) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _ppl_ratio(record: dict) -> float:
+    return record["eval_ppl_student"] / record["eval_ppl_teacher"]
+
+
 def curve_table(curves: dict[str, list[dict]]) -> list[str]:
     lines = [
         "| run | step | tokens trained | held-out KL | top-1 agree | ppl student / teacher |",
@@ -110,11 +114,10 @@ def curve_table(curves: dict[str, list[dict]]) -> list[str]:
     ]
     for name, points in curves.items():
         for r in points:
-            ratio = r["eval_ppl_student"] / r["eval_ppl_teacher"]
             lines.append(
                 f"| {name} | {r['step']} | {r['train_tokens']:,} | {r['eval_kl']:.3f} "
                 f"| {r['eval_top1_agreement']:.3f} | {r['eval_ppl_student']:.2f} / {r['eval_ppl_teacher']:.2f} "
-                f"(×{ratio:.3f}) |"
+                f"(×{_ppl_ratio(r):.3f}) |"
             )
     return lines
 
@@ -125,13 +128,7 @@ def curve_plot(curves: dict[str, list[dict]], path: Path) -> Path:
     for name, points in curves.items():
         tokens = [r["train_tokens"] / 1000 for r in points]
         kl_ax.plot(tokens, [r["eval_kl"] for r in points], marker="o", markersize=3, label=name)
-        ppl_ax.plot(
-            tokens,
-            [r["eval_ppl_student"] / r["eval_ppl_teacher"] for r in points],
-            marker="o",
-            markersize=3,
-            label=name,
-        )
+        ppl_ax.plot(tokens, [_ppl_ratio(r) for r in points], marker="o", markersize=3, label=name)
     kl_ax.set(xlabel="thousand tokens trained", ylabel="held-out KL (teacher || student)", yscale="log")
     ppl_ax.set(xlabel="thousand tokens trained", ylabel="perplexity student / teacher")
     kl_ax.legend(fontsize=7)
