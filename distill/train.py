@@ -165,6 +165,7 @@ class Run:
     out: Path
     comm: CommState | None = None
     scar: object | None = None  # distill.scar.running.RunningCheckpoint
+    recovered: bool = False  # resumed from SCAR's running checkpoint: a mix of block versions, not one step's
 
 
 def _schedule(recipe: Recipe, max_steps: int):
@@ -296,7 +297,8 @@ def setup(recipe: Recipe) -> Run:
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
     if comm is not None and resume.elastic:
         accelerator.register_for_checkpointing(comm)  # another world size's per-rank state is not loaded
-    scar, start_step = _running_checkpoint(recipe, accelerator, objective, optimizer, scheduler, start_step)
+    full_step = start_step
+    scar, start_step = _running_checkpoint(recipe, accelerator, objective, optimizer, scheduler, full_step)
     return Run(
         recipe,
         accelerator,
@@ -311,6 +313,7 @@ def setup(recipe: Recipe) -> Run:
         out,
         comm,
         scar,
+        recovered=start_step != full_step,
     )
 
 
@@ -501,6 +504,8 @@ def loop(run: Run) -> Path:
 
     if step == 0:
         log({"step": 0, "train_tokens": 0, **evaluate(run)})
+    elif run.recovered and cfg.log.eval_every_steps:  # what SCAR's bounded perturbation cost, before training on
+        log({"step": step, "train_tokens": step * step_tokens, "resumed": "running", **evaluate(run)})
     bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
     run.objective.train()
     while step < run.max_steps:

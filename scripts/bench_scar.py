@@ -21,15 +21,22 @@ keep moving, which is what prioritizing exploits); ``swiftkv``, full-batch Swift
 |delta| is the median Euclidean norm of the recovered state minus the lost live state (SCAR's perturbation).
 
 ``trainer`` measures SCAR inside the real trainer (``python -m distill``, one process): a tiny random Llama
-with the SmolLM2 tokenizer distilled on ShareGPT, SIGKILLed from outside at a random step and resumed; the
-cost is the number of steps after the restart until the held-out KL is back at the uninterrupted run's value
-at the kill step.  Full checkpoint + rollback (full checkpoint every F steps) resumes at its last full
-checkpoint and replays the uninterrupted run exactly, so its cost is read off the reference curve; the SCAR
-run writes a full checkpoint every 2F steps plus running saves (fraction f every ``--scar-every`` steps),
-at most the baseline's bytes per step whenever the running checkpoint is under half the full one.
+with the SmolLM2 tokenizer (``--trainer-model tiny``) or the embedded SmolLM2-135M with SwiftKV 50%
+(``smollm2``) distilled on ShareGPT, SIGKILLed from outside at a random moment of a random step (uniform in
+time between two steps' log records, so a kill can land in the compute or in a save) and resumed.  The cost
+is the number of completed steps lost: steps after the restart until the held-out KL is back at the
+uninterrupted run's value at the last logged step (0 when the resumed state is already there; a resume from
+the running checkpoint evaluates the recovered state first).  Full checkpoint + rollback (every F steps)
+resumes at its last full checkpoint and replays the uninterrupted run exactly, so its cost is read off the
+reference curve, counting a full checkpoint at the kill step as written (the baseline's best case).  The
+SCAR run writes a full checkpoint every 2F steps and spends the other half of the baseline's bytes per step
+on running saves (every ``--scar-every`` steps, the largest fraction that fits, at most 1), unless
+``--fraction`` is given.
 
-    OMP_NUM_THREADS=1 python scripts/bench_scar.py --problems trainer --trials 10 --full-every 8 \
+    OMP_NUM_THREADS=1 python scripts/bench_scar.py --problems trainer --trials 20 --full-every 8 \
         --workdir /dev/shm --out out/bench/scar_trainer.json
+    OMP_NUM_THREADS=1 python scripts/bench_scar.py --problems trainer --trainer-model smollm2 --trials 8 \
+        --full-every 8 --workdir /dev/shm --out out/bench/scar_trainer_smollm2.json
     flock -s /tmp/bench.lock python scripts/bench_scar.py --problems lsq --spread 2 --trials 100 --threads 1 \
         --workdir /dev/shm --out out/bench/scar_lsq_spread2.json
     flock -s /tmp/bench.lock python scripts/bench_scar.py --problems swiftkv --trials 12 \
@@ -41,6 +48,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -182,7 +190,7 @@ def trial(name: str, seed: int, args, root: Path) -> dict:
         s: RunningCheckpoint(
             root / f"{name}-{seed}-{s}",
             problem.params,
-            strategy_config(s, problem, args.full_every, args.fraction),
+            strategy_config(s, problem, args.full_every, args.fraction or 0.25),
             problem.optimizer,
         )
         for s in STRATEGIES
@@ -251,9 +259,9 @@ def summarize(rows: list[dict], strategies=STRATEGIES) -> dict:
 TRAINER_STRATEGIES = ("full+rollback", "scar-max-change")
 
 
-def tiny_trainer_run(root: Path, args) -> tuple[Path, dict]:
-    """A tiny random Llama with the embedded SmolLM2 tokenizer and a recipe distilling it on ShareGPT
-    (the real trainer, one process); returns the recipe's base tree."""
+def tiny_trainer_run(root: Path, args) -> dict:
+    """A tiny random Llama with the embedded SmolLM2 tokenizer, saved under ``root``, and the recipe tree
+    distilling it on ShareGPT (the real trainer, one process)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from swiftkv.assets import model_dir
@@ -277,7 +285,7 @@ def tiny_trainer_run(root: Path, args) -> tuple[Path, dict]:
     )
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    tree = {
+    return {
         "model": {"source": str(root / "model"), "swiftkv": {"num_key_value_layers": 3, "group_size": 1}},
         "data": {"sources": [{"path": "sharegpt", "max_samples": 200}], "seq_len": 96, "holdout": 0.1},
         "loss": {"chunk_tokens": 96},
@@ -286,7 +294,29 @@ def tiny_trainer_run(root: Path, args) -> tuple[Path, dict]:
         "checkpoint": {"every_steps": args.full_every, "keep": 1},
         "log": {"every_steps": 1, "eval_every_steps": 1, "eval_batches": 2},
     }
-    return root / "model", tree
+
+
+def smollm2_trainer_run(root: Path, args) -> dict:
+    """The CPU recipe's SwiftKV 50% distillation of the embedded SmolLM2-135M (its loss, optimizer and
+    least-squares init), at a shorter sequence so that a trial takes minutes."""
+    from swiftkv.assets import model_dir
+
+    return {
+        "model": {
+            "source": str(model_dir()),
+            "swiftkv": {"fraction": 0.5, "group_size": 1, "init": "lstsq", "init_rows": 16},
+            "dtype": "float32",
+        },
+        "data": {"sources": [{"path": "sharegpt", "max_samples": 300}], "seq_len": 128, "holdout": 0.05},
+        "loss": {"temperature": 2.0, "mse_weight": 0.01, "chunk_tokens": 128},
+        "optim": {"lr": 1e-3, "schedule": "linear", "warmup_ratio": 0.05, "grad_clip": 1.0},
+        "train": {"micro_batch_size": 2, "max_steps": args.trainer_steps},
+        "checkpoint": {"every_steps": args.full_every, "keep": 1},
+        "log": {"every_steps": 1, "eval_every_steps": 1, "eval_batches": 2},
+    }
+
+
+TRAINER_MODELS = {"tiny": tiny_trainer_run, "smollm2": smollm2_trainer_run}
 
 
 def write_trainer_recipe(path: Path, tree: dict, out: Path, full_every: int, scar: dict | None) -> Path:
@@ -300,7 +330,8 @@ def trainer_env() -> dict:
 
 
 def held_out(out: Path) -> dict[int, float]:
-    """Held-out KL per step from the run's log (a resumed run's records replace the killed run's)."""
+    """Held-out KL per step from the run's log (a resumed run's records replace the killed run's, and a
+    resume from the running checkpoint logs the recovered state at its step)."""
     curve = {}
     for line in (out / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -309,8 +340,17 @@ def held_out(out: Path) -> dict[int, float]:
     return curve
 
 
-def train_until_killed(recipe: Path, out: Path, step: int) -> None:
-    """Run the trainer and SIGKILL it (from outside) once ``step``'s record is in its log."""
+def logged_steps(out: Path) -> list[int]:
+    """Steps whose training record is in the log."""
+    log = out / "log.jsonl"
+    text = log.read_text() if log.is_file() else ""
+    return [json.loads(line)["step"] for line in text.splitlines() if '"lr"' in line]
+
+
+def train_until_killed(recipe: Path, out: Path, step: int, rng: random.Random) -> int:
+    """Run the trainer and SIGKILL it (from outside) at a uniformly random moment between the log records of
+    ``step`` and the next step (the next step's length taken as the last one's); returns the last step
+    logged before the kill."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "distill", str(recipe)],
         env=trainer_env(),
@@ -318,35 +358,39 @@ def train_until_killed(recipe: Path, out: Path, step: int) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    log, marker = out / "log.jsonl", f'"step": {step}, "lr"'
-    while not (log.is_file() and marker in log.read_text()):
+    seen: dict[int, float] = {}
+    while step not in seen:
         if proc.poll() is not None:
             raise RuntimeError(f"the run exited ({proc.returncode}) before step {step}")
+        now = time.perf_counter()
+        for s in logged_steps(out):
+            seen.setdefault(s, now)
         time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, seen[step] - seen[step - 1]))
     kill_process(proc.pid)
     proc.wait()
+    return max(logged_steps(out))
 
 
 def steps_to_target(curve: dict[int, float], start: int, target: float, last: int) -> tuple[int, bool]:
-    """Steps run after resuming at ``start`` until the held-out KL is back at ``target`` (censored at the
-    end of the run: ``last - start`` and False)."""
-    for step in range(start + 1, last + 1):
+    """Steps run from the state at ``start`` until the held-out KL is back at ``target`` (0 when it already
+    is; censored at the end of the run: ``last - start`` and False)."""
+    for step in range(start, last + 1):
         if curve[step] <= target:
             return step - start, True
     return last - start, False
 
 
 def trainer_trial(seed: int, args, root: Path, tree: dict, reference: dict, scar: dict) -> dict:
-    """SIGKILL the SCAR run at a random step, resume it, count the steps until the uninterrupted run's
-    held-out KL at the kill step is reached; full checkpoint + rollback resumes at the last full checkpoint
-    and replays the uninterrupted run exactly (tests/test_distill_train.py), so its cost is read off the
-    reference curve."""
-    gen = torch.Generator().manual_seed(20_000 + seed)
+    """SIGKILL the SCAR run at a random moment, resume it, count the steps until the uninterrupted run's
+    held-out KL at the last logged step is reached; full checkpoint + rollback resumes at the last full
+    checkpoint and replays the uninterrupted run exactly (tests/test_distill_train.py), so its cost is read
+    off the reference curve."""
+    rng = random.Random(20_000 + seed)
     last = args.trainer_steps
-    kill = int(torch.randint(2, last - args.trainer_margin + 1, (1,), generator=gen))
     out = root / f"trainer-{seed}"
     recipe = write_trainer_recipe(root / f"trainer-{seed}.yaml", tree, out, 2 * args.full_every, scar)
-    train_until_killed(recipe, out, kill)
+    killed = train_until_killed(recipe, out, rng.randint(2, last - args.trainer_margin), rng)
     resumed = subprocess.run(
         [sys.executable, "-m", "distill", str(recipe)], env=trainer_env(), capture_output=True, text=True
     )
@@ -355,13 +399,13 @@ def trainer_trial(seed: int, args, root: Path, tree: dict, reference: dict, scar
     start = int(
         [line for line in resumed.stdout.splitlines() if "resumed" in line][-1].rsplit("at step ", 1)[1]
     )
-    target = reference[kill]
+    target = reference[killed]
     scar_cost, reached = steps_to_target(held_out(out), start, target, last)
-    full = (kill - 1) // args.full_every * args.full_every  # the kill precedes the save of its step
+    full = killed // args.full_every * args.full_every
     rollback, _ = steps_to_target(reference, full, target, last)
     shutil.rmtree(out)
     return {
-        "fail_step": kill,
+        "killed_after_step": killed,
         "resumed_at": start,
         "full_checkpoint_step": full,
         "scar_reached_target": reached,
@@ -375,15 +419,19 @@ def folder_bytes(path: Path) -> int:
 
 
 def trainer_bench(args, root: Path) -> dict:
-    """The in-loop measurement: a reference run (its held-out curve and checkpoint sizes), then trials."""
-    _, tree = tiny_trainer_run(root, args)
-    scar = {"fraction": args.fraction, "every_steps": args.scar_every, "block_bytes": args.block_bytes}
+    """The in-loop measurement: a reference run (its held-out curve, the size of a full checkpoint and of
+    one copy of every running block), the running schedule at equal bytes, then the trials."""
+    tree = TRAINER_MODELS[args.trainer_model](root, args)
     ref = root / "reference"
-    recipe = write_trainer_recipe(root / "reference.yaml", tree, ref, args.full_every, scar)
+    all_blocks = {"fraction": 1.0, "every_steps": 1, "block_bytes": args.block_bytes}
+    recipe = write_trainer_recipe(root / "reference.yaml", tree, ref, args.full_every, all_blocks)
     subprocess.run([sys.executable, "-m", "distill", str(recipe)], env=trainer_env(), check=True)
     reference = held_out(ref)
     full_bytes = folder_bytes(next((ref / "checkpoints").glob("step_*")))
-    running_bytes = folder_bytes(ref / "scar")  # one copy of every block: what a save of all would write
+    running_bytes = folder_bytes(ref / "scar" / "rank_00000")
+    budget = full_bytes / (2 * args.full_every) * args.scar_every  # the half left by full saves every 2F
+    fraction = args.fraction or round(min(1.0, budget / running_bytes), 4)
+    scar = {"fraction": fraction, "every_steps": args.scar_every, "block_bytes": args.block_bytes}
     rows = []
     for seed in tqdm(range(args.trials), desc="trainer"):
         rows.append(trainer_trial(seed, args, root, tree, reference, scar))
@@ -392,11 +440,12 @@ def trainer_bench(args, root: Path) -> dict:
     for row in rows:
         row["full+rollback_bytes_per_step"] = full_bytes / args.full_every
         row["scar-max-change_bytes_per_step"] = (
-            full_bytes / (2 * args.full_every) + args.fraction * running_bytes / args.scar_every
+            full_bytes / (2 * args.full_every) + fraction * running_bytes / args.scar_every
         )
     return {
         "rows": rows,
         "summary": summarize(rows, TRAINER_STRATEGIES),
+        "scar": scar,
         "full_checkpoint_bytes": full_bytes,
         "running_checkpoint_bytes": running_bytes,
         "censored": sum(not r["scar_reached_target"] for r in rows),
@@ -414,13 +463,20 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--trials", type=int, default=20, help="failures per problem (seeds 0..N-1)")
     parser.add_argument("--full-every", type=int, default=20, help="full checkpoint interval F (steps)")
-    parser.add_argument("--fraction", type=float, default=0.25, help="running save fraction f")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        help="running save fraction f (default: 0.25; trainer: the most the equal byte budget allows)",
+    )
     parser.add_argument("--warmup", type=int, default=40, help="first possible failure step")
     parser.add_argument("--spread", type=float, default=2.0, help="lsq: decades of block feature scales")
     parser.add_argument("--cap", type=int, default=500, help="give up recovering after this many steps")
     parser.add_argument("--trainer-steps", type=int, default=32, help="trainer: steps of each run")
     parser.add_argument("--trainer-margin", type=int, default=12, help="trainer: no kill in the last N steps")
-    parser.add_argument("--scar-every", type=int, default=2, help="trainer: running save interval (steps)")
+    parser.add_argument(
+        "--trainer-model", choices=sorted(TRAINER_MODELS), default="tiny", help="trainer: model"
+    )
+    parser.add_argument("--scar-every", type=int, default=1, help="trainer: running save interval (steps)")
     parser.add_argument("--block-bytes", type=int, default=4096, help="trainer: checkpoint.scar.block_bytes")
     parser.add_argument(
         "--workdir",

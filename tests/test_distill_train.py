@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -333,11 +335,19 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
 def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, select: max-change}"]
+    scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, select: max-change}", "log.eval_every_steps=1"]
     kill_when([PY, "-m", "distill", str(recipe), *scar], logged_step(out, 5))
     manifests = list((out / "scar").rglob("manifest.json"))
     assert manifests, "no running checkpoint written"
-    run([PY, "-m", "distill", str(recipe), *scar])  # resumes at the running checkpoint's step 4
+    result = run([PY, "-m", "distill", str(recipe), *scar])
+    assert re.search(r"resumed running checkpoint \S+ at step 4\n", result.stdout), result.stdout
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    at_4 = [r for r in records if r["step"] == 4 and "eval_kl" in r]
+    # the killed run's evaluation of step 4, then the recovered state's (a mix of blocks saved at steps 2
+    # and 4 and the full checkpoint of step 3), evaluated before training on
+    assert [r.get("resumed") for r in at_4] == [None, "running"]
+    assert math.isfinite(at_4[1]["eval_kl"]) and at_4[1]["train_tokens"] == 4 * 2 * 64
+    assert [r["step"] for r in records if "loss" in r][-2:] == [5, 6]
     assert (out / "model" / "model.safetensors").is_file()
 
 
