@@ -457,6 +457,7 @@ def trainer_bench(args, root: Path) -> dict:
         "summary": summarize(rows, TRAINER_STRATEGIES),
         "summary_interpolated": summarize(interpolated, TRAINER_STRATEGIES),
         "scar": scar,
+        "reference_held_out_kl": reference,
         "full_checkpoint_bytes": full_bytes,
         "running_checkpoint_bytes": running_bytes,
         "censored": sum(not r["scar_reached_target"] for r in rows),
