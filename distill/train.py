@@ -504,9 +504,8 @@ def loop(run: Run) -> Path:
 
     if step == 0:
         log({"step": 0, "train_tokens": 0, **evaluate(run)})
-    elif (
-        run.recovered and cfg.log.eval_every_steps
-    ):  # what SCAR's bounded perturbation cost, before training on
+    elif run.recovered and cfg.log.eval_every_steps:
+        # the recovered state (SCAR's bounded perturbation), evaluated before training on: what it cost
         log({"step": step, "train_tokens": step * step_tokens, "resumed": "running", **evaluate(run)})
     bar = tqdm(total=run.max_steps, initial=step, desc="distill", disable=not acc.is_local_main_process)
     run.objective.train()
