@@ -67,6 +67,7 @@ from tqdm.auto import tqdm
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, kill_process, pick_blocks
 from distill.scar.running import RunningCheckpoint
+from eval.report import read_curve
 from swiftkv.artifacts import write_json_atomic
 from swiftkv.cliargs import ArgumentParser, add_out, existing_path, run
 
@@ -330,14 +331,9 @@ def trainer_env() -> dict:
 
 
 def held_out(out: Path) -> dict[int, float]:
-    """Held-out KL per step from the run's log (a resumed run's records replace the killed run's, and a
-    resume from the running checkpoint logs the recovered state at its step)."""
-    curve = {}
-    for line in (out / "log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "eval_kl" in record:
-            curve[record["step"]] = record["eval_kl"]
-    return curve
+    """Held-out KL per step from the run's log (``eval.report.read_curve``: a resumed run's records replace
+    the killed run's, and a resume from the running checkpoint logs the recovered state at its step)."""
+    return {record["step"]: record["eval_kl"] for record in read_curve(out)}
 
 
 def logged_steps(out: Path) -> list[int]:
