@@ -314,7 +314,16 @@ def test_quantized_and_swiftkv_names_are_routed():
         attn.format(6) + "k_proj_swiftkv.weight_scale": Route("kv_proj_swiftkv.weight_scale", 2),
         attn.format(4) + "v_proj_swiftkv.input_scale": Route("kv_proj_swiftkv.input_scale", 1),
         attn.format(4) + "v_proj_swiftkv.weight_zero_point": Route("kv_proj_swiftkv.weight_zero_point", 1),
-        attn.format(6) + "k_proj_swiftkv.k_scale": Route("swiftkv_kv.6.k_scale"),
+        attn.format(6) + "k_proj_swiftkv.k_scale": Route(
+            "swiftkv_kv.6.k_scale"
+        ),  # KV-cache scales: the holder
+        attn.format(6) + "v_proj_swiftkv.attn.v_scale": Route(
+            "swiftkv_kv.6.v_scale"
+        ),  # after vLLM's name mapper
+        attn.format(4) + "k_proj_swiftkv.output_scale": Route("swiftkv_kv.4.k_scale"),  # compressed-tensors
+        attn.format(5) + "q_proj_swiftkv.output_scale": Route(attn.format(5) + "attn.q_scale"),
+        attn.format(5) + "k_proj_swiftkv.attn.k_scale": None,  # AcrossKV non-leader: no cache of its own
+        attn.format(2) + "k_proj_swiftkv.attn.k_scale": None,  # below l: no SwiftKV K
         attn.format(5) + "q_proj_swiftkv.weight_scale": Route(attn.format(5) + "q_proj_swiftkv.weight_scale"),
         attn.format(5) + "k_proj_swiftkv.weight_scale": None,  # AcrossKV non-leader: its group uses layer 4's
         attn.format(5) + "k_proj.weight_scale": None,  # the teacher's K of a SwiftKV layer is never used
