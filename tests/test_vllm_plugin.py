@@ -684,7 +684,7 @@ def test_lm_eval_vllm_backend_scores_a_loglikelihood_task(vllm_python, tmp_path)
             with torch.no_grad():
                 logits = hf(torch.tensor([context + continuation])).logits[0].log_softmax(-1)
             expected.append(sum(logits[len(context) + i - 1, t].item() for i, t in enumerate(continuation)))
-        got = [resp[0][0] for resp in sample["filtered_resps"]]
+        got = [float(loglikelihood) for loglikelihood, _greedy in sample["filtered_resps"]]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-3, rtol=0)
         correct += max(range(3), key=expected.__getitem__) == row["gold"]
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
