@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import tiny_base
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-
-from conftest import tiny_base
 
 SPECIALS = ["<pad>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: TINY's pad, eos and bos
 CHATML = (
@@ -45,7 +44,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def save_chat_model(path: Path, family: str = "llama", card: bool = True, **overrides) -> Path:
     """Write a tiny random ``family`` chat model with tokenizer (and, with ``card``, a card and licences)."""
-    model = tiny_base(family, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2, **overrides)
+    model = tiny_base(
+        family, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2, **overrides
+    )
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     if card:
