@@ -75,15 +75,20 @@ def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
 
 def open_source(recipe: Recipe, tokenizer: bool) -> Checkpoint:
     """``model.source`` checked as every entry point checks a model (``swiftkv.checkpoint``): a local folder
-    with its weights' headers, a Hub id by its config and tokenizer only (no weights are downloaded)."""
+    with its weights' headers (a folder of only config.json and tokenizer, for a check on a laptop, is
+    fine), a Hub id by its config and tokenizer only (no weights are downloaded)."""
     source = recipe.model.source
     hub = looks_like_hub_id(source)
-    if not hub and not Path(source).expanduser().exists():
+    local = Path(source).expanduser()
+    if not hub and not local.exists():
         raise UsageError(
             f"model.source {source} is not on this machine "
             "(to resolve, pass --model-config PATH/config.json of that model)"
         )
-    return open_checkpoint(source, weights=not hub, tokenizer=tokenizer)
+    weights = not hub and (
+        any(local.glob("*.safetensors")) or (local / "model.safetensors.index.json").is_file()
+    )
+    return open_checkpoint(source, weights=weights, tokenizer=tokenizer)
 
 
 def model_config_of(recipe: Recipe, path: Path | None) -> dict:

@@ -60,7 +60,7 @@ def _convert(args) -> str:
     from .convert import convert
 
     out = convert(
-        open_checkpoint(args.src).path,
+        open_checkpoint(args.src, quantized=True).path,  # convert() refuses quantized sources with its own fix
         args.dst,
         num_key_value_layers=args.num_key_value_layers,
         swiftkv_fraction=args.swiftkv_fraction,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import tiny_base
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -44,6 +43,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def save_chat_model(path: Path, family: str = "llama", card: bool = True, **overrides) -> Path:
     """Write a tiny random ``family`` chat model with tokenizer (and, with ``card``, a card and licences)."""
+    from conftest import tiny_base  # here, so that byte_tokenizer() needs no pytest (scripts/gpu_check.py)
+
     model = tiny_base(
         family, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2, **overrides
     )
