@@ -59,8 +59,9 @@ def _convert(args) -> str:
     from .checkpoint import open_checkpoint
     from .convert import convert
 
+    source = open_checkpoint(args.src, quantized=True)  # convert() refuses quantized sources with its own fix
     out = convert(
-        open_checkpoint(args.src, quantized=True).path,  # convert() refuses quantized sources with its own fix
+        source.path,
         args.dst,
         num_key_value_layers=args.num_key_value_layers,
         swiftkv_fraction=args.swiftkv_fraction,
