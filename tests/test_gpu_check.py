@@ -53,6 +53,7 @@ def test_tiny_run_reports_every_check(tmp_path):
         "prefill",
     }
     assert "| 64 | swiftkv50 |" in result.stdout  # the table
+    assert report["vllm"] == {"status": "skipped", "reason": "--tiny (CPU)", "ok": True}
 
 
 @pytest.mark.slow
@@ -65,3 +66,16 @@ def test_time_budget_skips_what_would_not_fit(tmp_path):
         s["reason"].startswith("past the 0 s budget") for s in report["skipped"]
     )
     assert "skipped prefill 32: past the 0 s budget" in result.stdout
+
+
+def test_vllm_section_is_skipped_cleanly_without_vllm(tmp_path):
+    """This venv has no vLLM (it lives in .venv-vllm): the vLLM section says so and the check passes."""
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--out", str(out)]
+    result = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    vllm = json.loads(out.read_text())["vllm"]
+    assert vllm == {"status": "skipped", "reason": f"vLLM is not installed for {sys.executable}", "ok": True}
+    assert f"vLLM section skipped: vLLM is not installed for {sys.executable}" in result.stdout

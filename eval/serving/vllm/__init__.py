@@ -1,33 +1,89 @@
 """vLLM plugin that serves SwiftKV checkpoints with real prefill skipping.
 
 vLLM runs ``register()`` in every one of its processes through the ``vllm.general_plugins`` entry point of
-this distribution.  It registers the ``*_swiftkv`` config classes with transformers' AutoConfig, the SwiftKV
-model classes with vLLM's ModelRegistry (by import string, so the model module loads only when a SwiftKV
-checkpoint is served), and a config hook that turns on vLLM's ``kv_sharing_fast_prefill`` for SwiftKV
-checkpoints: that is what lets only the rows that need logits continue through layers >= l.
+this distribution, without a guard of its own: an exception there would stop vLLM from starting for every
+model in the environment.  So ``register()`` imports vLLM's internals (``internals.py``) only inside its own
+guard, and a failure logs one line and leaves vLLM as it was.  It registers the ``*_swiftkv`` config classes
+with transformers' AutoConfig, the SwiftKV model classes with vLLM's ModelRegistry (by import string, so the
+model module loads only when a SwiftKV checkpoint is served), and a config hook that decides vLLM's
+``kv_sharing_fast_prefill`` for SwiftKV checkpoints: that is what lets only the rows that need logits continue
+through layers >= l.
 
-Importing this package imports neither vLLM nor torch; ``register()`` does, when vLLM calls it.
+Fast prefill is on by default and can be turned off per environment (``SWIFTKV_FAST_PREFILL=0``) or per engine
+(``hf_overrides={"swiftkv_fast_prefill": false}``): every row then runs the upper layers (the SwiftKV math is
+unchanged, the prefill saving is gone), which is what prompt log-probabilities and scoring need.
+
+Importing this package imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import os
 
 MODEL_CLASSES = {
     "LlamaSwiftKVForCausalLM": "eval.serving.vllm.llama:LlamaSwiftKVForCausalLM",
     "Qwen2SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen2SwiftKVForCausalLM",
     "Qwen3SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen3SwiftKVForCausalLM",
 }
+FAST_PREFILL_ENV = "SWIFTKV_FAST_PREFILL"
+FAST_PREFILL_OVERRIDE = "swiftkv_fast_prefill"  # hf_overrides key: a per-engine choice, beats the environment
+PROMPT_LOGPROBS_REFUSED = (
+    "prompt_logprobs need every prompt token through layers >= l, which SwiftKV's fast prefill skips (to "
+    f"resolve, serve this checkpoint with {FAST_PREFILL_ENV}=0, or hf_overrides "
+    f'{{"{FAST_PREFILL_OVERRIDE}": false}}, for scoring)'
+)
+
+# a child of vLLM's logger, so the lines look like vLLM's own and follow its logging configuration
+logger = logging.getLogger("vllm.swiftkv_toolkit")
 
 
-def fast_prefill_applies(hf_config) -> bool:
+def skips_layers(hf_config) -> bool:
     """Whether a checkpoint config runs the SwiftKV path with at least one SwiftKV layer."""
     return bool(getattr(hf_config, "swiftkv", False)) and (
         hf_config.num_key_value_layers < hf_config.num_hidden_layers
     )
 
 
+def fast_prefill_switch(hf_config) -> bool:
+    """The user's switch: ``hf_overrides={"swiftkv_fast_prefill": bool}``, else ``SWIFTKV_FAST_PREFILL`` (0/1),
+    else on."""
+    override = getattr(hf_config, FAST_PREFILL_OVERRIDE, None)
+    if override is not None:
+        if not isinstance(override, bool):
+            raise ValueError(
+                f"hf_overrides {FAST_PREFILL_OVERRIDE}={override!r} is not a boolean (to resolve, pass true or false)"
+            )
+        return override
+    value = os.environ.get(FAST_PREFILL_ENV, "1").strip().lower()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{FAST_PREFILL_ENV}={value!r} is not 0 or 1 (to resolve, set it to 0 or 1, or unset it)"
+        )
+    return value == "1"
+
+
+def fast_prefill_reason(vllm_config) -> str | None:
+    """None when vLLM's fast prefill should run for this engine, else why not (logged at start)."""
+    hf_config = vllm_config.model_config.hf_config
+    if not skips_layers(hf_config):
+        return "the checkpoint has no SwiftKV layers (teacher mode, or l = L)"
+    if not fast_prefill_switch(hf_config):
+        return f"turned off ({FAST_PREFILL_ENV}=0 or hf_overrides {FAST_PREFILL_OVERRIDE}=false)"
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.use_eagle():
+        return f"speculative method {spec.method!r} drafts from the hidden states of every prompt token"
+    if getattr(vllm_config.compilation_config.cudagraph_mode, "name", None) == "FULL":
+        # FULL (not FULL_AND_PIECEWISE) replays mixed prefill/decode steps as one graph captured on all rows
+        return "cudagraph_mode FULL captures mixed prefill/decode steps whole (FULL_AND_PIECEWISE keeps it)"
+    return None
+
+
 class SwiftKVConfigHook:
-    """vLLM per-architecture config hook (``MODELS_CONFIG_MAP``): SwiftKV checkpoints get
-    ``kv_sharing_fast_prefill`` so vLLM builds attention metadata for the logits rows of layers >= l."""
+    """vLLM per-architecture config hook (``MODELS_CONFIG_MAP``): decides ``kv_sharing_fast_prefill`` for SwiftKV
+    checkpoints (vLLM then builds the upper layers' attention metadata for the logits rows only) and refuses a
+    pooling runner, which would read the rows that skipped the upper layers."""
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
@@ -35,19 +91,61 @@ class SwiftKVConfigHook:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        if not fast_prefill_applies(vllm_config.model_config.hf_config):
-            return
-        spec = vllm_config.speculative_config
-        if spec is not None and spec.use_eagle():
-            return  # EAGLE needs hidden states of every prompt token; SwiftKV then runs without skipping
-        vllm_config.cache_config.kv_sharing_fast_prefill = True
+        reason = fast_prefill_reason(vllm_config)
+        runner = getattr(vllm_config.model_config, "runner_type", "generate")
+        if reason is None and runner == "pooling":
+            raise ValueError(
+                "a SwiftKV checkpoint with fast prefill cannot run as a pooling model: prompt tokens skip layers "
+                f">= l (to resolve, serve it for generation, or set {FAST_PREFILL_ENV}=0 to run every token "
+                "through every layer)"
+            )
+        vllm_config.cache_config.kv_sharing_fast_prefill = reason is None
+        if reason is not None and skips_layers(vllm_config.model_config.hf_config):
+            logger.info("SwiftKV fast prefill is off: %s; every prompt token runs every layer", reason)
 
 
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make vLLM load ``llama/qwen2/qwen3_swiftkv`` checkpoints."""
+def refuse_prompt_logprobs(vllm_config, params) -> None:
+    """Refuse one request that asks for prompt log-probabilities from a SwiftKV engine with fast prefill on.
+
+    vLLM's async server refuses such requests only when ``prompt_logprobs`` is truthy (0 passes), and its offline
+    engine not at all: the worker then dies on an assertion and takes every other request with it."""
+    if (
+        getattr(params, "prompt_logprobs", None) is not None
+        and vllm_config.cache_config.kv_sharing_fast_prefill
+        and vllm_config.model_config.architecture in MODEL_CLASSES
+    ):
+        raise ValueError(PROMPT_LOGPROBS_REFUSED)
+
+
+def _guard_prompt_logprobs(input_processor_cls) -> None:
+    """Make vLLM's request intake (``InputProcessor.process_inputs``) call ``refuse_prompt_logprobs`` first."""
+    original = input_processor_cls.process_inputs
+    if getattr(original, "swiftkv_guard", False):  # plugins are loaded once per vLLM process, maybe more
+        return
+
+    @functools.wraps(original)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        refuse_prompt_logprobs(self.vllm_config, params)
+        return original(self, request_id, prompt, params, *args, **kwargs)
+
+    process_inputs.swiftkv_guard = True
+    input_processor_cls.process_inputs = process_inputs
+
+
+def _registered_as(registry, arch: str) -> str:
+    model = registry.models.get(arch)
+    module, name = getattr(model, "module_name", None), getattr(model, "class_name", None)
+    if module and name:
+        return f"{module}:{name}"
+    model_cls = getattr(model, "model_cls", None)
+    return f"{model_cls.__module__}:{model_cls.__qualname__}" if model_cls is not None else repr(model)
+
+
+def _register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.engine.input_processor import InputProcessor
 
     from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 
@@ -56,4 +154,29 @@ def register() -> None:
     for arch, target in MODEL_CLASSES.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, target)
+        elif (owner := _registered_as(ModelRegistry, arch)) != target:
+            logger.warning(
+                "%s is already registered with vLLM as %s (ArcticInference registers the same name), so that class "
+                "serves SwiftKV checkpoints, not swiftkv-toolkit's (to use this plugin's, run vLLM with "
+                "VLLM_PLUGINS=swiftkv)",
+                arch,
+                owner,
+            )
         MODELS_CONFIG_MAP.setdefault(arch, SwiftKVConfigHook)
+    _guard_prompt_logprobs(InputProcessor)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make vLLM load ``llama/qwen2/qwen3_swiftkv`` checkpoints.
+
+    Never raises: vLLM calls general plugins without a guard, so a failure here (a vLLM version that moved a
+    name the plugin needs) is logged in one line and vLLM keeps serving every other architecture."""
+    try:
+        _register()
+    except Exception as exc:  # noqa: BLE001 - any failure must leave vLLM usable for other models
+        logger.warning(
+            "swiftkv-toolkit's vLLM plugin is not registered, SwiftKV checkpoints cannot be served here: %s: %s "
+            "(to resolve, use a vLLM version in the tested range, see docs/serving.md)",
+            type(exc).__name__,
+            exc,
+        )

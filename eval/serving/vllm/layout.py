@@ -45,6 +45,14 @@ def kv_head_split(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
     return 1, tp_size // total_kv_heads
 
 
+def kv_head_slice(tp_rank: int, total_kv_heads: int, tp_size: int) -> range:
+    """The KV heads tensor-parallel rank ``tp_rank`` holds (whole heads; a head replicated on ``tp_size //
+    total_kv_heads`` consecutive ranks when there are more ranks than heads)."""
+    per_rank, replicas = kv_head_split(total_kv_heads, tp_size)
+    first = tp_rank // replicas * per_rank
+    return range(first, first + per_rank)
+
+
 class SwiftKVLayout:
     """Which layers are SwiftKV layers, their group leaders, the checkpoint names that must exist, and where
     every checkpoint tensor is loaded."""

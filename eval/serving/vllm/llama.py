@@ -15,43 +15,52 @@ logits rows are gathered (their number is data-dependent); the decode stack runs
 queries from ``q_proj_swiftkv``.  Rows that skip the upper layers return unused placeholders (the runner reads
 only the logits rows).  With fast prefill off (EAGLE) every row runs the upper layers (same logits, no saving).
 
+CUDA graphs (vLLM's default on GPUs) replay each compiled unit's pieces on the memory they were captured with,
+chosen by the step's ``batch_descriptor`` alone; vLLM's graph wrapper copies no inputs.  So, as vLLM's YOCO models
+do (gemma3n, gemma4 ``fast_prefill_forward``), the decode stack always reads static buffers allocated once
+(``max_num_batched_tokens`` rows) with its rows at offset 0, and runs under a batch descriptor of the row count
+it is given (the runner pads the logits rows to a captured size); the prefill stack's outputs, which vLLM hands
+back as weak references into graph memory the decode stack may reuse, are copied before the decode stack runs.
+
 In teacher mode (``swiftkv: false``) the model is vLLM's own (compiled) Llama; the SwiftKV weights are skipped
 at load.  In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from contextlib import contextmanager
 from functools import partial
 
 import torch
 from torch import nn
-from vllm.compilation.backends import set_model_tag
-from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
-from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (
+
+from eval.serving.vllm.internals import (
+    Attention,
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-)
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.llama import (
+    CUDAGraphMode,
+    KVSharingFastPrefillMetadata,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
+    MergedColumnParallelLinear,
+    Qwen3DecoderLayer,
+    RMSNorm,
+    RowParallelLinear,
+    default_weight_loader,
+    encode_layer_name,
+    get_forward_context,
+    get_pp_group,
+    get_tensor_model_parallel_world_size,
+    ignore_torch_compile,
+    set_model_tag,
+    support_torch_compile,
+    unified_kv_cache_update,
 )
-from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
-from vllm.utils.torch_utils import _encode_layer_name
-from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
-
-from eval.serving.vllm.layout import SwiftKVLayout, kv_head_split
+from eval.serving.vllm.layout import SwiftKVLayout, kv_head_slice, kv_head_split
 
 ROWS = {0: "rows"}  # the one dynamic dimension of a compiled unit's tensors: tokens, or logits rows
 
@@ -59,22 +68,28 @@ ROWS = {0: "rows"}  # the one dynamic dimension of a compiled unit's tensors: to
 class KVFanoutLinear(MergedColumnParallelLinear):
     """K and V of every AcrossKV group from one input (the fused SwiftKV projection), shards ``[k_0, v_0, k_1, ...]``.
 
-    KV heads are split over tensor-parallel ranks by vLLM's QKVParallelLinear rule: with more ranks than KV heads
-    each rank holds one head and ``tp // kv_heads`` ranks hold the same one, so rank r loads the slice of head
-    ``r // replicas`` (MergedColumnParallelLinear alone would cut a head in pieces)."""
+    KV heads are split over tensor-parallel ranks by vLLM's QKVParallelLinear rule (``layout.kv_head_slice``):
+    with more ranks than KV heads each rank holds one whole head, shared by ``tp // kv_heads`` ranks, so rank r
+    loads the checkpoint slice of its head, not of its rank (MergedColumnParallelLinear alone would cut a head
+    in pieces)."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_kv_heads: int, groups: int, **kwargs):
         tp = get_tensor_model_parallel_world_size()
-        self.num_kv_heads, self.replicas = kv_head_split(total_kv_heads, tp)
+        self.total_kv_heads = total_kv_heads
+        self.num_kv_heads, _ = kv_head_split(total_kv_heads, tp)
         super().__init__(hidden_size, [self.num_kv_heads * head_dim * tp] * (2 * groups), **kwargs)
+
+    def _head_rank(self, rank: int) -> int:
+        """The rank whose slice of the checkpoint the base loaders should narrow to: the one of rank's heads."""
+        return kv_head_slice(rank, self.total_kv_heads, self.tp_size).start // self.num_kv_heads
 
     @contextmanager
     def _as_head_rank(self, param):
-        """Let the base loaders narrow the checkpoint at this rank's head, not at its rank."""
+        """Let the base loaders narrow the checkpoint at this rank's heads, not at its rank."""
         rank, param_rank = self.tp_rank, getattr(param, "tp_rank", None)
-        self.tp_rank = rank // self.replicas
+        self.tp_rank = self._head_rank(rank)
         if param_rank is not None:
-            param.tp_rank = param_rank // self.replicas
+            param.tp_rank = self._head_rank(param_rank)
         try:
             yield
         finally:
@@ -248,6 +263,21 @@ class LlamaSwiftKVModel(LlamaModel):
             self.prefill_stack = SwiftKVPrefillStack(vllm_config=vllm_config, model=self)
         with set_model_tag("swiftkv_decode"):
             self.decode_stack = SwiftKVDecodeStack(vllm_config=vllm_config, model=self)
+        backend = next(iter(holders.values())).attn_backend
+        if backend.forward_includes_kv_cache_update:
+            raise ValueError(
+                f"the {backend.get_name()} attention backend writes the KV cache inside attention, so SwiftKV cannot "
+                "write layers >= l's K/V ahead of it (to resolve, pick another backend with --attention-backend, "
+                "e.g. FLASH_ATTN)"
+            )
+        # the decode stack's inputs, allocated once: CUDA graphs replay on the addresses they were captured with
+        rows, device = vllm_config.scheduler_config.max_num_batched_tokens, self.embed_tokens.weight.device
+        self.decode_positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.decode_hidden = torch.zeros(
+            rows, config.hidden_size, dtype=vllm_config.model_config.dtype, device=device
+        )
+        self.decode_residual = torch.zeros_like(self.decode_hidden)
+        self.graph_sizes = frozenset(vllm_config.compilation_config.cudagraph_capture_sizes or ())
 
     # -- forward -------------------------------------------------------------------------------------
     def write_swiftkv_cache(self, positions: torch.Tensor, x_l: torch.Tensor) -> list[torch.Tensor]:
@@ -273,34 +303,67 @@ class LlamaSwiftKVModel(LlamaModel):
                 writes.append(unified_kv_cache_update(k, v, holder.layer_name))
             else:
                 writes.append(
-                    torch.ops.vllm.unified_kv_cache_update(k, v, _encode_layer_name(holder.layer_name))
+                    torch.ops.vllm.unified_kv_cache_update(k, v, encode_layer_name(holder.layer_name))
                 )
         return writes
 
-    def _logits_rows(self) -> tuple[torch.Tensor, int] | None:
-        """The rows vLLM computes logits for (padded to a captured batch size, padding repeating the last row)
-        and how many are real, when it built the upper layers' metadata for just them."""
+    def _decode_rows(self, num_tokens: int) -> tuple[torch.Tensor | None, int]:
+        """The rows that go through layers >= l: the logits rows vLLM built the upper layers' attention metadata
+        for (padded to a captured batch size, the padding repeating the last row) and how many are real; or
+        ``(None, num_tokens)`` for every row (fast prefill off or not armed this step, or every row needs logits)."""
         attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return None
-        meta = attn_metadata.get(self.layers[-1].self_attn.attn.layer_name)
-        if not isinstance(meta, KVSharingFastPrefillMetadata) or meta.num_logits_indices is None:
-            return None
-        return meta.logits_indices_padded.long(), meta.num_logits_indices
+        if isinstance(attn_metadata, dict):
+            meta = attn_metadata.get(self.layers[-1].self_attn.attn.layer_name)
+            if isinstance(meta, KVSharingFastPrefillMetadata) and meta.num_logits_indices is not None:
+                rows, n = meta.logits_indices_padded, meta.num_logits_indices
+                if not n == len(rows) == num_tokens:
+                    return rows.long(), n
+        return None, num_tokens
+
+    @contextmanager
+    def _graph_batch(self, size: int):
+        """Run the decode stack as a batch of ``size`` rows for vLLM's piecewise CUDA graphs, which pick the graph
+        to replay by the forward context's batch descriptor (the whole step's token count); without a graph
+        captured for ``size``, that stack runs without graphs this step."""
+        context = get_forward_context()
+        descriptor, mode = context.batch_descriptor, context.cudagraph_runtime_mode
+        if descriptor is not None and descriptor.num_tokens != size:
+            context.batch_descriptor = dataclasses.replace(descriptor, num_tokens=size)
+            if mode == CUDAGraphMode.PIECEWISE and size not in self.graph_sizes:
+                context.cudagraph_runtime_mode = CUDAGraphMode.NONE
+        try:
+            yield
+        finally:
+            context.batch_descriptor, context.cudagraph_runtime_mode = descriptor, mode
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         hidden, residual, _, aux = self.prefill_stack(input_ids, positions, inputs_embeds)
-        selected = self._logits_rows()
-        if selected is not None and selected[1] == len(selected[0]) == len(positions):
-            selected = None  # every row needs logits (decode steps): the rows in order, nothing to gather
-        if selected is None:
-            out, upper_aux = self.decode_stack(positions, hidden, residual)
+        # The prefill stack's outputs are weak references into its last graph's memory, which the decode stack's
+        # graphs may reuse: what is read after the decode stack runs is copied before it does.
+        aux = [a.clone() for a in aux]
+        rows, n = self._decode_rows(len(positions))
+        size = len(positions) if rows is None else len(rows)
+        if size > len(self.decode_hidden):
+            raise ValueError(
+                f"a step of {size} rows exceeds the SwiftKV decode buffers ({len(self.decode_hidden)} rows, "
+                "max_num_batched_tokens)"
+            )
+        inputs = (self.decode_positions[:size], self.decode_hidden[:size], self.decode_residual[:size])
+        if rows is None:
+            for buffer, value in zip(inputs, (positions, hidden, residual), strict=True):
+                buffer.copy_(value)
         else:
-            rows, n = selected
-            out, upper_aux = self.decode_stack(positions[rows], hidden[rows], residual[rows])
-            # non-logits rows keep placeholders (never read); so do the upper layers' auxiliary states
-            out = hidden.index_copy_(0, rows[:n], out[:n])
-            upper_aux = [torch.zeros_like(hidden).index_copy_(0, rows[:n], a[:n]) for a in upper_aux]
+            for buffer, value in zip(inputs, (positions, hidden, residual), strict=True):
+                torch.index_select(value, 0, rows, out=buffer)
+            placeholders = (
+                hidden.clone()
+            )  # rows that skip the upper layers return their layer-l state (unread)
+        with self._graph_batch(size):
+            out, upper_aux = self.decode_stack(*inputs)
+        if rows is not None:
+            kept = rows[:n]
+            out = placeholders.index_copy_(0, kept, out[:n])
+            upper_aux = [torch.zeros_like(out).index_copy_(0, kept, a[:n]) for a in upper_aux]
         aux = aux + upper_aux
         return (out, aux) if aux else out
 
@@ -332,6 +395,7 @@ class LlamaSwiftKVModel(LlamaModel):
                 loaded.add(route.target)
 
         loaded |= super().load_weights(others())
+        self._share_kv_cache_scales()
         missing = sorted(layout.required_weights() - seen)
         if missing:
             raise ValueError(
@@ -340,6 +404,22 @@ class LlamaSwiftKVModel(LlamaModel):
                 + '. To resolve, re-create it with `swiftkv convert` or set "swiftkv": false in config.json.'
             )
         return loaded
+
+    def _share_kv_cache_scales(self) -> None:
+        """One FP8 scale pair per group cache: its holder quantizes K/V with it when writing, and every layer of
+        the group dequantizes with it when reading.  A checkpoint carries the scales on the SwiftKV projection
+        (``k_proj_swiftkv.k_scale``, loaded into the holder) or on each layer's attention (``self_attn.k_scale``,
+        loaded into that layer): the whole group takes the largest one given (a scale not given is -1)."""
+        for j in self.layout.leaders:
+            members = self.layers[j : j + self.layout.group_size]
+            group = [self.swiftkv_kv[str(j)], *(layer.self_attn.attn for layer in members)]
+            for name in ("k_scale", "v_scale"):
+                scales = [getattr(attn, name, None) for attn in group]
+                if any(scale is None for scale in scales):  # no quantized KV cache
+                    continue
+                value = torch.stack([scale.data.reshape(()) for scale in scales]).max()
+                for scale in scales:
+                    scale.data.copy_(value)
 
 
 class LlamaSwiftKVForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,148 @@
+"""Every vLLM name the SwiftKV plugin uses beyond vLLM's documented plugin API, in one place.
+
+vLLM's model-side building blocks (layers, the compile decorators, the forward context, attention metadata) are
+not a stable API: a minor release can move or rename them.  The plugin imports them from here only, and
+``USED`` lists each one with the parameters or members the plugin relies on, so that a vLLM upgrade is checked
+name by name: ``tests/test_vllm_plugin.py`` resolves every entry in the installed vLLM, and
+``scripts/check_vllm_api.py`` reads another vLLM's Python sources (no import, so a CUDA wheel can be checked on
+a CPU machine).  The tested range is stated in docs/serving.md.
+
+Importing this module imports vLLM's model stack, so only the model module (``llama.py``) imports it.  The few
+names the registration and the config hook need (``MODELS_CONFIG_MAP``, ``InputProcessor``, ``CUDAGraphMode``)
+are imported where they are used, inside ``register()``'s guard, and are listed in ``USED`` all the same.
+"""
+
+from __future__ import annotations
+
+from vllm.compilation.backends import set_model_tag
+from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
+from vllm.config.compilation import CUDAGraphMode
+from vllm.distributed.parallel_state import (
+    get_pp_group,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention.attention import (
+    Attention,
+    unified_kv_cache_update,
+)
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
+
+encode_layer_name = _encode_layer_name  # public name inside the plugin
+
+# "module:qualname" -> the parameters (for a function), or the parameters, fields, attributes and methods (for a
+# class) that the plugin passes or reads.  Keep it in step with the imports above and the plugin's uses.
+USED: dict[str, tuple[str, ...]] = {
+    "vllm.compilation.backends:set_model_tag": ("tag",),
+    "vllm.compilation.decorators:support_torch_compile": ("dynamic_arg_dims",),
+    "vllm.compilation.decorators:ignore_torch_compile": ("cls",),
+    "vllm.config.compilation:CUDAGraphMode": ("NONE", "PIECEWISE", "FULL"),
+    "vllm.config.compilation:CompilationConfig": ("cudagraph_mode", "cudagraph_capture_sizes"),
+    "vllm.config.cache:CacheConfig": ("kv_sharing_fast_prefill",),
+    "vllm.config.model:ModelConfig": ("hf_config", "runner_type", "architectures"),
+    "vllm.config.speculative:SpeculativeConfig": ("use_eagle",),
+    "vllm.config.scheduler:SchedulerConfig": ("max_num_batched_tokens",),
+    "vllm.distributed.parallel_state:get_pp_group": (),
+    "vllm.distributed.parallel_state:get_tensor_model_parallel_world_size": (),
+    "vllm.forward_context:get_forward_context": (),
+    "vllm.forward_context:ForwardContext": ("attn_metadata", "batch_descriptor", "cudagraph_runtime_mode"),
+    "vllm.forward_context:BatchDescriptor": ("num_tokens",),
+    "vllm.model_executor.layers.attention.attention:Attention": (
+        "num_heads",
+        "head_size",
+        "scale",
+        "num_kv_heads",
+        "cache_config",
+        "quant_config",
+        "prefix",
+        "attn_type",
+        "kv_sharing_target_layer_name",
+        "layer_name",
+        "use_direct_call",
+        "attn_backend",
+    ),  # fmt: skip
+    "vllm.model_executor.layers.attention.attention:unified_kv_cache_update": ("key", "value", "layer_name"),
+    "vllm.utils.torch_utils:_encode_layer_name": ("layer_name",),
+    "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
+    "vllm.v1.attention.backends.utils:KVSharingFastPrefillMetadata": (
+        "logits_indices_padded",
+        "num_logits_indices",
+    ),
+    "vllm.model_executor.layers.quantization.kv_cache:BaseKVCacheMethod": ("create_weights",),
+    "vllm.model_executor.layers.layernorm:RMSNorm": ("hidden_size", "eps"),
+    "vllm.model_executor.layers.linear:ColumnParallelLinear": (
+        "input_size",
+        "output_size",
+        "bias",
+        "quant_config",
+        "prefix",
+    ),  # fmt: skip
+    "vllm.model_executor.layers.linear:RowParallelLinear": (
+        "input_size",
+        "output_size",
+        "bias",
+        "quant_config",
+        "prefix",
+    ),  # fmt: skip
+    "vllm.model_executor.layers.linear:MergedColumnParallelLinear": (
+        "input_size",
+        "output_sizes",
+        "bias",
+        "quant_config",
+        "prefix",
+        "weight_loader",
+        "weight_loader_v2",
+    ),  # fmt: skip
+    "vllm.model_executor.layers.linear:LinearBase": ("tp_rank", "tp_size"),
+    "vllm.model_executor.model_loader.weight_utils:default_weight_loader": ("param", "loaded_weight"),
+    "vllm.model_executor.models.llama:LlamaModel": (
+        "vllm_config",
+        "prefix",
+        "layer_type",
+        "embed_input_ids",
+        "load_weights",
+        "_maybe_add_hidden_state",
+    ),  # fmt: skip
+    "vllm.model_executor.models.llama:LlamaAttention": ("_init_rotary_emb",),
+    "vllm.model_executor.models.llama:LlamaDecoderLayer": ("vllm_config", "prefix", "attn_layer_type"),
+    "vllm.model_executor.models.llama:LlamaForCausalLM": (
+        "vllm_config",
+        "prefix",
+        "_init_model",
+        "load_weights",
+    ),
+    "vllm.model_executor.models.qwen3:Qwen3DecoderLayer": (
+        "config",
+        "cache_config",
+        "quant_config",
+        "prefix",
+    ),
+    "vllm.model_executor.models.config:MODELS_CONFIG_MAP": (),
+    "vllm.v1.engine.input_processor:InputProcessor": ("process_inputs", "vllm_config"),
+    "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ("request_id", "prompt", "params"),
+    "vllm.model_executor.models.registry:_ModelRegistry": ("models", "get_supported_archs", "register_model"),
+    "vllm.model_executor.models.registry:_LazyRegisteredModel": ("module_name", "class_name"),
+}
+
+__all__ = [
+    "Attention", "CUDAGraphMode", "ColumnParallelLinear", "KVSharingFastPrefillMetadata", "LlamaAttention",
+    "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "MergedColumnParallelLinear", "Qwen3DecoderLayer",
+    "RMSNorm", "RowParallelLinear", "USED", "default_weight_loader", "encode_layer_name", "get_forward_context",
+    "get_pp_group", "get_tensor_model_parallel_world_size", "ignore_torch_compile", "set_model_tag",
+    "support_torch_compile", "unified_kv_cache_update",
+]  # fmt: skip
