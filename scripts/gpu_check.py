@@ -17,11 +17,11 @@ new projections).  Checks, in this order:
    compiles the decode step, inductor with CUDA graphs) against the dynamic cache, on a short unpadded
    prompt; the SwiftKV models first, the original last as the control;
 4. ``eval quality`` on the device (``eval.quality.evaluate_quality``, which also imports ``distill``'s data
-   and objective modules): a tiny random SwiftKV checkpoint with the tests' byte-level chat tokenizer
-   (``tests/tiny_chat.py``) on conversations written here, in bfloat16 against float32: KL within 0.01 and
-   top-1 agreement within 0.05 of each other.
+   and objective modules: "not installed" where their dependencies are missing): a tiny random SwiftKV
+   checkpoint with the tests' byte-level chat tokenizer (``tests/tiny_chat.py``) on conversations written
+   here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
-4. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
+5. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
    greedy tokens with vLLM's default CUDA graphs equal ``enforce_eager``, plain, with n-gram speculative
    decoding and with an FP8 KV cache (about 5 minutes); skipped cleanly where vLLM is not installed,
    ``--vllm only`` runs just this part, ``--vllm skip`` leaves it out.
