@@ -67,6 +67,12 @@ def build_parser() -> ArgumentParser:
         default=DEFAULT_RECIPE,
         help=f"distillation recipe: a file or a shipped name (default: {DEFAULT_RECIPE})",
     )
+    job.add_argument(
+        "--launch",
+        type=existing_path,
+        help="accelerate config: run each distillation under `accelerate launch` (e.g. all 8 GPUs) "
+        "instead of in this process",
+    )
     add_placement(job, batch_size=None)
     add_out(job, help="run folder (default out/demo, out/demo-quick with --quick)", required=False)
     job.add_argument("--quick", action="store_true", help="tiny settings (CI)")
@@ -135,6 +141,7 @@ def _command(args) -> str:
                 args.recipe,
                 args.device,
                 args.dtype,
+                args.launch,
             )
         )
     if args.command == "tasks":

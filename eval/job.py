@@ -8,8 +8,9 @@ The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or
 ``swiftkv.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, found with
 ``importlib.resources``, so a non-editable install has them too: ``RECIPES``) or a path.  ``device`` and
 ``dtype`` place the evaluation stages (quality, speed, lm-eval; ``eval.quality.load_for_eval``); the
-distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``), on the GPU when there is
-one.  The quality stage also writes its numbers into each SwiftKV folder's model card.
+distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``): in this process (one GPU
+when there is one), or with ``launch`` under ``accelerate launch`` on every GPU its config names.  The
+quality stage also writes its numbers into each SwiftKV folder's model card.
 
 ``run.json``: ``{"meta": {model, machine, threads, device, dtype, date, prefill_lengths, seconds, quick},
 "commands": [the commands that reproduce each stage], "variants": [{name, dir, num_layers, swiftkv_layers,
@@ -22,6 +23,9 @@ from __future__ import annotations
 import importlib.resources
 import json
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,12 +34,13 @@ import torch
 # the shipped recipes (recipes/ of the repository, package data of distill)
 RECIPES = Path(str(importlib.resources.files("distill") / "recipes"))
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
+LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
   python -m eval run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
   python -m eval run --quick         # tiny settings (a few minutes; the tests run this)
   python -m eval run --out out/demo --fractions 0.5 --distill-steps 60
-  python -m eval run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml \\
-      --fractions 0.5 --device auto --dtype bfloat16 --out out/llama8b
+  python -m eval run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml --fractions 0.5 \\
+      --launch recipes/accelerate/8gpu_zero2.yaml --device auto --dtype bfloat16 --out out/llama8b
 """
 
 FULL = dict(
@@ -112,15 +117,19 @@ def run_job(
     recipe: str | Path = DEFAULT_RECIPE,
     device: str = "cpu",
     dtype: str = "float32",
+    launch: str | Path | None = None,
 ) -> Path:
     """Run (or resume) the main job on ``model`` (default: the embedded SmolLM2) with ``recipe`` into ``run_dir``
-    (default ``out/demo``, ``out/demo-quick`` with ``quick``); return the path of its ``report.md``."""
+    (default ``out/demo``, ``out/demo-quick`` with ``quick``); return the path of its ``report.md``.
+
+    ``launch``: an accelerate config; each distillation then runs as ``accelerate launch --config_file LAUNCH
+    -m distill ...`` (all the GPUs it names) instead of in this process."""
     from distill.check import load_recipe_or_usage
-    from distill.train import train
     from swiftkv.artifacts import read_provenance
     from swiftkv.assets import fetch_model, fetch_sharegpt
     from swiftkv.card import quality_section, set_quality
     from swiftkv.checkpoint import open_checkpoint
+    from swiftkv.cliargs import UsageError
 
     from .harness import run_harness
     from .pipeline import run_stage
@@ -130,6 +139,10 @@ def run_job(
 
     cfg = job_settings(quick, fractions, distill_steps)
     check_placement(device, dtype)
+    if launch is not None and not Path(launch).is_file():
+        raise UsageError(
+            f"accelerate config {launch} not found (to resolve, pass a file such as {LAUNCH_EXAMPLE})"
+        )
     recipe_file = recipe_path(recipe)
     load_recipe_or_usage(recipe_file, [])  # a bad recipe is refused before any work
     source = open_checkpoint(model) if model is not None else None
@@ -144,6 +157,7 @@ def run_job(
             f" --recipe {recipe}" if str(recipe) != DEFAULT_RECIPE else "",
             f" --device {device}" if device != "cpu" else "",
             f" --dtype {dtype}" if dtype != "float32" else "",
+            f" --launch {launch}" if launch is not None else "",
             " --quick" if quick else "",
         ]
     )
@@ -174,12 +188,15 @@ def run_job(
             *cfg["distill"],
         ]
         loaded = load_recipe_or_usage(recipe_file, overrides)
-        commands.append(f"python -m distill {recipe_file} {' '.join(overrides)}")
+        command = ["-m", "distill", str(recipe_file), *overrides]
+        if launch is not None:
+            command = ["-m", "accelerate.commands.launch", "--config_file", str(launch), *command]
+        commands.append(shlex.join(["python", *command]))
         key, result = run_stage(
             run_dir,
             f"distill-{name}",
             {"recipe": loaded.model_dump(mode="json"), "base": base_key},
-            lambda loaded=loaded: _distill(train, loaded),
+            lambda loaded=loaded, command=command: _distill(loaded, command if launch is not None else None),
             output=out,
         )
         variants.append(
@@ -241,10 +258,17 @@ def run_job(
     return write_report(run_dir)
 
 
-def _distill(train, recipe) -> dict:
+def _distill(recipe, command: list[str] | None = None) -> dict:
+    """Run one distillation, in this process or (``command``) as ``python COMMAND``, and read back its result."""
+    from distill.train import train
+
     from .report import read_curve
 
-    model_dir = train(recipe)
+    if command is None:
+        model_dir = train(recipe)
+    else:
+        subprocess.run([sys.executable, *command], check=True)
+        model_dir = Path(recipe.output_dir) / "model"
     out = Path(recipe.output_dir)
     final = json.loads((out / "final_metrics.json").read_text())
     curve = read_curve(out)

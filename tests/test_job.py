@@ -1,7 +1,8 @@
 """The main job's quick mode end to end from a non-editable install (the wheel in a fresh venv, run from an
 unrelated folder, so CI catches a missing install step or package data), then a rerun from the checkout that
 skips every stage; the README's wrapper ``scripts/demo.py`` is the same command.  And the job on a model of
-the user's own, named by its Hub id (found offline in a local cache), evaluated in bfloat16."""
+the user's own, named by its Hub id (found offline in a local cache), distilled under ``accelerate launch``
+and evaluated in bfloat16."""
 
 from __future__ import annotations
 
@@ -109,11 +110,15 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
 
 @pytest.mark.smollm2  # the job's held-out data is the embedded ShareGPT
 @pytest.mark.slow
-def test_job_on_a_hub_id_in_bfloat16(sharegpt, tmp_path):
+def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
     home = tmp_path / "hf"
     commit = add_to_cache(home / "hub", "acme/tiny-chat", save_chat_model(tmp_path / "upload"))
-    out = tmp_path / "run"
-    cmd = ["-m", "eval", "run", "acme/tiny-chat", "--quick", "--dtype", "bfloat16", "--out", str(out)]
+    out, launch = tmp_path / "run", tmp_path / "one_process.yaml"
+    launch.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
+    )
+    cmd = ["-m", "eval", "run", "acme/tiny-chat", "--quick", "--dtype", "bfloat16", "--launch", str(launch)]
+    cmd += ["--out", str(out)]
     env = {**ENV, "HF_HOME": str(home)}
     result = subprocess.run(
         [sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200
@@ -128,7 +133,13 @@ def test_job_on_a_hub_id_in_bfloat16(sharegpt, tmp_path):
     original, swift = run["variants"]
     assert original["dir"].endswith(f"models--acme--tiny-chat/snapshots/{commit}")
     assert swift["quality"]["dtype"] == "bfloat16" and swift["quality"]["kl"] > 0
-    assert run["commands"][0].endswith("acme/tiny-chat --dtype bfloat16 --quick")
+    assert run["commands"][0].endswith(f"acme/tiny-chat --dtype bfloat16 --launch {launch} --quick")
+    assert run["commands"][1].startswith(
+        f"python -m accelerate.commands.launch --config_file {launch} -m distill "
+    )
+    assert (
+        swift["distill"]["eval_kl"] > 0 and len(swift["distill"]["curve"]) == 2
+    )  # read back from the launch
     assert "# SwiftKV report: acme/tiny-chat" in (out / "report.md").read_text()
     card = ModelCard.load(Path(swift["dir"]) / "README.md")  # the job's measured quality, in the card
     assert card.data.base_model == "acme/tiny-chat"
