@@ -552,9 +552,8 @@ def loop(run: Run) -> Path:
         cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
     )
 
-    if (
-        cfg.log.report_to
-    ):  # the trackers get the same numbers as log.jsonl, which stays the source of the reports
+    # the trackers get the same numbers as log.jsonl, which stays the source of the reports
+    if cfg.log.report_to:
         acc.init_trackers(run.out.name, config=tracker_config(cfg))
 
     def log(record: dict) -> None:
