@@ -171,3 +171,18 @@ def test_tracker_names_are_accelerates_and_a_missing_one_is_refused(tmp_path, ch
         f"error: log.report_to names {missing}, not installed here (to resolve, `pip install"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_check_reads_a_hub_id_from_the_cache(hub, chat_data, tmp_path, capsys):
+    recipe = {
+        "output_dir": str(tmp_path / "out"),
+        "model": {"source": REPO, "swiftkv": {"fraction": 0.5}},
+        "data": {"sources": [{"path": str(chat_data)}], "seq_len": 64},
+    }
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    capsys.readouterr()
+    assert distill_main(["check", str(tmp_path / "recipe.yaml"), "--gpu-memory", "1"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "valid" in out and "tokenizer " in out and str(chat_data) in out
+    )  # its rows, tokenized by the model's
