@@ -165,8 +165,11 @@ def write_card(
 
 
 def set_quality(model_dir: Path, quality: list[str]) -> None:
-    """Replace (or add) the measured-quality section of the card in ``model_dir``, atomically."""
+    """Replace (or add) the measured-quality section of the card in ``model_dir``, atomically (a folder
+    written before cards existed has none, and is left as it is)."""
     path = Path(model_dir) / CARD_FILE
+    if not path.is_file():
+        return
     lines = path.read_text().split("\n")
     if QUALITY_HEADING in lines:
         start = lines.index(QUALITY_HEADING)
