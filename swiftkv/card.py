@@ -175,7 +175,7 @@ def set_quality(model_dir: Path, quality: list[str]) -> None:
         start = lines.index(QUALITY_HEADING)
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     else:
-        start = end = next(i for i, line in enumerate(lines) if line == "## Use")
+        start = end = next((i for i, line in enumerate(lines) if line == "## Use"), len(lines))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("\n".join([*lines[:start], *quality, *lines[end:]]))
     os.replace(tmp, path)
