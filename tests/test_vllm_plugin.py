@@ -314,7 +314,16 @@ def test_quantized_and_swiftkv_names_are_routed():
         attn.format(6) + "k_proj_swiftkv.weight_scale": Route("kv_proj_swiftkv.weight_scale", 2),
         attn.format(4) + "v_proj_swiftkv.input_scale": Route("kv_proj_swiftkv.input_scale", 1),
         attn.format(4) + "v_proj_swiftkv.weight_zero_point": Route("kv_proj_swiftkv.weight_zero_point", 1),
-        attn.format(6) + "k_proj_swiftkv.k_scale": Route("swiftkv_kv.6.k_scale"),
+        attn.format(6) + "k_proj_swiftkv.k_scale": Route(
+            "swiftkv_kv.6.k_scale"
+        ),  # KV-cache scales: the holder
+        attn.format(6) + "v_proj_swiftkv.attn.v_scale": Route(
+            "swiftkv_kv.6.v_scale"
+        ),  # after vLLM's name mapper
+        attn.format(4) + "k_proj_swiftkv.output_scale": Route("swiftkv_kv.4.k_scale"),  # compressed-tensors
+        attn.format(5) + "q_proj_swiftkv.output_scale": Route(attn.format(5) + "attn.q_scale"),
+        attn.format(5) + "k_proj_swiftkv.attn.k_scale": None,  # AcrossKV non-leader: no cache of its own
+        attn.format(2) + "k_proj_swiftkv.attn.k_scale": None,  # below l: no SwiftKV K
         attn.format(5) + "q_proj_swiftkv.weight_scale": Route(attn.format(5) + "q_proj_swiftkv.weight_scale"),
         attn.format(5) + "k_proj_swiftkv.weight_scale": None,  # AcrossKV non-leader: its group uses layer 4's
         attn.format(5) + "k_proj.weight_scale": None,  # the teacher's K of a SwiftKV layer is never used
@@ -430,7 +439,7 @@ def test_decode_stack_runs_on_static_buffers_in_every_kind_of_step(runs):
 def test_prompt_logprobs_refused_with_fast_prefill_and_the_engine_serves_on(runs):
     results, refs = runs
     refused, after = results["loaded"]["steps"][2:]
-    assert refused["error"] == "ValueError: " + PROMPT_LOGPROBS_REFUSED
+    assert refused["error"] == f"VLLMValidationError: {PROMPT_LOGPROBS_REFUSED} (parameter=prompt_logprobs)"
     assert after["tokens"] == refs["g1"]
 
 
@@ -593,9 +602,10 @@ def test_failed_registration_leaves_vllm_working(vllm_python, tmp_path):
     tiny_base("llama", **TINY).save_pretrained(tmp_path / "llama")
     proc = run_in_vllm_venv(
         f"""
-        import vllm.model_executor.models.config as config
-        saved = config.MODELS_CONFIG_MAP
-        del config.MODELS_CONFIG_MAP
+        import vllm.entrypoints.llm  # vLLM's own modules keep their reference to InputProcessor
+        import vllm.v1.engine.input_processor as intake
+        saved = intake.InputProcessor
+        del intake.InputProcessor  # as if a vLLM release had moved it
         from vllm.plugins import load_general_plugins
         load_general_plugins()  # runs this distribution's entry point, like every vLLM process
         from vllm import ModelRegistry
@@ -603,7 +613,7 @@ def test_failed_registration_leaves_vllm_working(vllm_python, tmp_path):
         from eval.serving.vllm.cpu import make_llm
         from tests.vllm_cases import run_step
         print("TOKENS", run_step(make_llm("{tmp_path / "llama"}"), {{"prompts": [[5, 6, 7]], "max_tokens": 3}}))
-        config.MODELS_CONFIG_MAP = saved
+        intake.InputProcessor = saved
         ModelRegistry.register_model("Qwen2SwiftKVForCausalLM", "arctic_inference.vllm.swiftkv:Other")
         from eval.serving.vllm import register
         register()
@@ -614,7 +624,7 @@ def test_failed_registration_leaves_vllm_working(vllm_python, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     failures = [line for line in out.splitlines() if "plugin is not registered" in line]
-    assert len(failures) == 1 and "AttributeError" in failures[0] and "MODELS_CONFIG_MAP" in failures[0]
+    assert len(failures) == 1 and "ImportError" in failures[0] and "InputProcessor" in failures[0]
     assert "TOKENS {'tokens': [[" in proc.stdout
     assert "OWNER arctic_inference.vllm.swiftkv" in proc.stdout
     assert (
@@ -674,7 +684,7 @@ def test_lm_eval_vllm_backend_scores_a_loglikelihood_task(vllm_python, tmp_path)
             with torch.no_grad():
                 logits = hf(torch.tensor([context + continuation])).logits[0].log_softmax(-1)
             expected.append(sum(logits[len(context) + i - 1, t].item() for i, t in enumerate(continuation)))
-        got = [resp[0][0] for resp in sample["filtered_resps"]]
+        got = [float(loglikelihood) for loglikelihood, _greedy in sample["filtered_resps"]]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-3, rtol=0)
         correct += max(range(3), key=expected.__getitem__) == row["gold"]
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
@@ -752,10 +762,8 @@ def unix_socket_opener(path: Path) -> urllib.request.OpenerDirector:
             self.sock.settimeout(self.timeout)
             self.sock.connect(str(path))
 
-    class Handler(urllib.request.AbstractHTTPHandler):
+    class Handler(urllib.request.HTTPHandler):  # replaces urllib's own HTTP handler in the opener
         def http_open(self, request):
             return self.do_open(Connection, request)
-
-        http_request = urllib.request.AbstractHTTPHandler.do_request_
 
     return urllib.request.build_opener(Handler)

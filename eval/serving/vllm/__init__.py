@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 MODEL_CLASSES = {
     "LlamaSwiftKVForCausalLM": "eval.serving.vllm.llama:LlamaSwiftKVForCausalLM",
@@ -104,20 +105,21 @@ class SwiftKVConfigHook:
             logger.info("SwiftKV fast prefill is off: %s; every prompt token runs every layer", reason)
 
 
-def refuse_prompt_logprobs(vllm_config, params) -> None:
+def refuse_prompt_logprobs(vllm_config, params, error: Callable[[str], Exception] = ValueError) -> None:
     """Refuse one request that asks for prompt log-probabilities from a SwiftKV engine with fast prefill on.
 
     vLLM's async server refuses such requests only when ``prompt_logprobs`` is truthy (0 passes), and its offline
-    engine not at all: the worker then dies on an assertion and takes every other request with it."""
+    engine not at all: the worker then dies on an assertion and takes every other request with it.  ``error``
+    makes the exception: inside vLLM its request-validation error, which the server answers with a 400."""
     if (
         getattr(params, "prompt_logprobs", None) is not None
         and vllm_config.cache_config.kv_sharing_fast_prefill
         and vllm_config.model_config.architecture in MODEL_CLASSES
     ):
-        raise ValueError(PROMPT_LOGPROBS_REFUSED)
+        raise error(PROMPT_LOGPROBS_REFUSED)
 
 
-def _guard_prompt_logprobs(input_processor_cls) -> None:
+def _guard_prompt_logprobs(input_processor_cls, error: Callable[[str], Exception]) -> None:
     """Make vLLM's request intake (``InputProcessor.process_inputs``) call ``refuse_prompt_logprobs`` first."""
     original = input_processor_cls.process_inputs
     if getattr(original, "swiftkv_guard", False):  # plugins are loaded once per vLLM process, maybe more
@@ -125,7 +127,7 @@ def _guard_prompt_logprobs(input_processor_cls) -> None:
 
     @functools.wraps(original)
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        refuse_prompt_logprobs(self.vllm_config, params)
+        refuse_prompt_logprobs(self.vllm_config, params, error)
         return original(self, request_id, prompt, params, *args, **kwargs)
 
     process_inputs.swiftkv_guard = True
@@ -144,6 +146,7 @@ def _registered_as(registry, arch: str) -> str:
 def _register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
+    from vllm.exceptions import VLLMValidationError
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -163,7 +166,9 @@ def _register() -> None:
                 owner,
             )
         MODELS_CONFIG_MAP.setdefault(arch, SwiftKVConfigHook)
-    _guard_prompt_logprobs(InputProcessor)
+    _guard_prompt_logprobs(
+        InputProcessor, functools.partial(VLLMValidationError, parameter="prompt_logprobs")
+    )
 
 
 def register() -> None:

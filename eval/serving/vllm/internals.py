@@ -8,8 +8,8 @@ name by name: ``tests/test_vllm_plugin.py`` resolves every entry in the installe
 a CPU machine).  The tested range is stated in docs/serving.md.
 
 Importing this module imports vLLM's model stack, so only the model module (``llama.py``) imports it.  The few
-names the registration and the config hook need (``MODELS_CONFIG_MAP``, ``InputProcessor``, ``CUDAGraphMode``)
-are imported where they are used, inside ``register()``'s guard, and are listed in ``USED`` all the same.
+names the registration needs (``MODELS_CONFIG_MAP``, ``InputProcessor``, ``VLLMValidationError``) are imported
+where they are used, inside ``register()``'s guard, and are listed in ``USED`` all the same.
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ USED: dict[str, tuple[str, ...]] = {
     "vllm.model_executor.models.config:MODELS_CONFIG_MAP": (),
     "vllm.v1.engine.input_processor:InputProcessor": ("process_inputs", "vllm_config"),
     "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ("request_id", "prompt", "params"),
+    "vllm.exceptions:VLLMValidationError": ("message",),
     "vllm.model_executor.models.registry:_ModelRegistry": ("models", "get_supported_archs", "register_model"),
     "vllm.model_executor.models.registry:_LazyRegisteredModel": ("module_name", "class_name"),
 }

@@ -13,8 +13,13 @@ from dataclasses import dataclass
 _SWIFTKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv])_(proj|norm)_swiftkv\.(\w+)$")
 # the teacher's q/k/v (and Qwen3's per-head q/k norms), unused by the SwiftKV layers
 _TEACHER_QKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_norm)\.\w+$")
-# FP8 KV-cache scales stored on the k/v projection (ModelOpt style): they belong to the attention holding the cache
-_KV_CACHE_SCALES = ("k_scale", "v_scale")
+# Quantization scales of a SwiftKV projection's output, in the forms checkpoints carry them (ModelOpt:
+# ``k_proj_swiftkv.k_scale``, after vLLM's quantization name mapper ``k_proj_swiftkv.attn.k_scale``;
+# compressed-tensors: ``k_proj_swiftkv.output_scale``): K/V scales belong to the attention holding the group's
+# cache, a query scale to the layer's own attention
+_SWIFTKV_OUTPUT_SCALE = re.compile(
+    r"^layers\.(\d+)\.self_attn\.([qkv])_proj_swiftkv\.(?:attn\.)?(?:[qkv]_scale|output_scale)$"
+)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,14 @@ class SwiftKVLayout:
             return None if swift is not None or name.startswith("norm_swiftkv.") else TO_VLLM
         if name.startswith("norm_swiftkv."):
             return Route(name)
+        scale = _SWIFTKV_OUTPUT_SCALE.match(name)
+        if scale is not None:
+            j, proj = int(scale[1]), scale[2]
+            if j < self.first or (proj != "q" and j not in self.leaders):
+                return None
+            return Route(
+                f"layers.{j}.self_attn.attn.q_scale" if proj == "q" else f"swiftkv_kv.{j}.{proj}_scale"
+            )
         if swift is not None:
             j, proj, kind, tensor = int(swift[1]), swift[2], swift[3], swift[4]
             if j < self.first:
@@ -101,8 +114,6 @@ class SwiftKVLayout:
                 return None
             if kind == "norm":  # k_norm_swiftkv (Qwen3): one per group, applied before RoPE
                 return Route(f"k_norm_swiftkv.{self.leaders.index(j)}.{tensor}")
-            if tensor in _KV_CACHE_SCALES:
-                return Route(f"swiftkv_kv.{j}.{tensor}")
             return Route(f"kv_proj_swiftkv.{tensor}", 2 * self.leaders.index(j) + (proj == "v"))
         teacher = _TEACHER_QKV.match(name)
         if teacher is not None and int(teacher[1]) >= self.first:

@@ -395,7 +395,7 @@ class LlamaSwiftKVModel(LlamaModel):
                 loaded.add(route.target)
 
         loaded |= super().load_weights(others())
-        self._share_kv_cache_scales()
+        self._share_kv_cache_scales(loaded)
         missing = sorted(layout.required_weights() - seen)
         if missing:
             raise ValueError(
@@ -405,21 +405,23 @@ class LlamaSwiftKVModel(LlamaModel):
             )
         return loaded
 
-    def _share_kv_cache_scales(self) -> None:
+    def _share_kv_cache_scales(self, loaded: set[str]) -> None:
         """One FP8 scale pair per group cache: its holder quantizes K/V with it when writing, and every layer of
         the group dequantizes with it when reading.  A checkpoint carries the scales on the SwiftKV projection
         (``k_proj_swiftkv.k_scale``, loaded into the holder) or on each layer's attention (``self_attn.k_scale``,
-        loaded into that layer): the whole group takes the largest one given (a scale not given is -1)."""
+        loaded into that layer): the whole group takes the largest one the checkpoint gives (``loaded``)."""
+        params = dict(self.named_parameters())
         for j in self.layout.leaders:
-            members = self.layers[j : j + self.layout.group_size]
-            group = [self.swiftkv_kv[str(j)], *(layer.self_attn.attn for layer in members)]
+            members = range(j, j + self.layout.group_size)
             for name in ("k_scale", "v_scale"):
-                scales = [getattr(attn, name, None) for attn in group]
-                if any(scale is None for scale in scales):  # no quantized KV cache
+                group = [f"swiftkv_kv.{j}.{name}", *(f"layers.{i}.self_attn.attn.{name}" for i in members)]
+                if any(n not in params for n in group):  # no quantized KV cache
                     continue
-                value = torch.stack([scale.data.reshape(()) for scale in scales]).max()
-                for scale in scales:
-                    scale.data.copy_(value)
+                given = [params[n].data.reshape(()) for n in group if n in loaded]
+                if given:
+                    value = torch.stack(given).max()
+                    for n in group:
+                        params[n].data.copy_(value)
 
 
 class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
