@@ -34,13 +34,22 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def held_out_rows(tokenizer, n_conversations: int = 32, seq_len: int = 512, data: str | Path = "sharegpt"):
-    """Packed rows (input_ids, position_ids, loss_mask) of held-out conversations, assistant tokens counted."""
+    """Packed rows (input_ids, position_ids, loss_mask) of the first ``n_conversations`` held-out conversations
+    with an assistant token within their first ``seq_len`` tokens (those are counted)."""
     samples = []
     for messages in iter_conversations(data, split="heldout"):
-        if any(m["role"] == "assistant" for m in messages):
-            samples.append(render_conversation(messages, tokenizer))
+        if not any(m["role"] == "assistant" for m in messages):
+            continue
+        sample = render_conversation(messages, tokenizer)
+        if any(sample["counted"][1:seq_len]):  # else packing would cut every counted token off
+            samples.append(sample)
         if len(samples) >= n_conversations:
             break
+    if not samples:
+        raise UsageError(
+            f"no held-out conversation of {data} has an assistant token within its first {seq_len} tokens "
+            "(to resolve, evaluate on longer sequences or on conversations with shorter prompts)"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return pack(samples, seq_len, pad)
 

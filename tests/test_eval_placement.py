@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 from conftest import CONVERSATIONS
-from tiny_chat import save_chat_model
+from tiny_chat import byte_tokenizer, save_chat_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eval.__main__ import main as eval_main
 from eval.harness import run_harness
-from eval.quality import evaluate_quality, quality_of
+from eval.quality import evaluate_quality, held_out_rows, quality_of
 from eval.tasks import write_tasks
+from swiftkv.cliargs import UsageError
 from swiftkv.convert import convert
 
 SETTINGS = dict(n_conversations=8, seq_len=128, n_prompts=3, max_new_tokens=6)
@@ -93,3 +94,16 @@ def test_cuda_without_a_gpu_is_refused_in_one_line(swift, command, tmp_path, cap
         "error: --device cuda, but no CUDA device is visible (to resolve, pass --device cpu)"
     )
     assert not (tmp_path / "tasks").exists()
+
+
+def test_conversations_cut_before_their_reply_are_skipped_or_refused(swift):
+    """Only conversations with an assistant token within ``seq_len`` are taken (each prompt here is ~50 bytes
+    of ChatML: byte-level tokens); when none has one, the evaluation is refused instead of reporting KL 0."""
+    _, data = swift
+    tokenizer = byte_tokenizer()
+    rows = held_out_rows(tokenizer, n_conversations=3, seq_len=64, data=data)
+    assert rows["loss_mask"].sum(1).min() > 0  # every packed row counts tokens
+    with pytest.raises(
+        UsageError, match="no held-out conversation of .* has an assistant token within its first 16"
+    ):
+        held_out_rows(tokenizer, n_conversations=3, seq_len=16, data=data)

@@ -102,7 +102,8 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
     assert "| swiftkv50 (this job) | 4 | 1,024 |" in report.read_text()
     assert (tmp_path / "run" / "quality_vs_tokens.png").stat().st_size > 1000
     wrapper = [sys.executable, "scripts/demo.py", *cmd[3:]]
-    second = subprocess.run(wrapper, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    checkout = {**ENV, "PYTHONPATH": str(ROOT)}  # this checkout's code (a script's own folder is on sys.path)
+    second = subprocess.run(wrapper, capture_output=True, text=True, cwd=ROOT, env=checkout, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[distill-swiftkv50] up to date, skipped" in second.stdout
     assert "running" not in second.stdout

@@ -43,13 +43,14 @@ ROOT = Path(__file__).resolve().parents[1]
 L, l, G = TINY["num_hidden_layers"], 2, 2
 # the three fields the reference's config class adds to LlamaConfig, with the values it writes
 REFERENCE_FIELDS = {"swiftkv": True, "num_key_value_layers": l, "key_value_group_size": G}
-LLAMA3_ROPE = {  # Llama-3.1's rope in transformers 4.x spelling
+LLAMA3_ROPE = {  # Llama-3.1's rope in transformers 4.x spelling (with its 128k context)
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
     "rope_type": "llama3",
 }
+ROPE = dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)
 FP8 = {  # llm-compressor's FP8 W8A8 (compressed-tensors, float-quantized): per-channel weights, dynamic tokens
     "quant_method": "compressed-tensors",
     "format": "float-quantized",
@@ -80,7 +81,7 @@ FP8 = {  # llm-compressor's FP8 W8A8 (compressed-tensors, float-quantized): per-
 def published_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the reference module tree's names (a distilled model's SwiftKV weights differ
     from the copies a conversion starts from: perturbed here)."""
-    model = to_swiftkv(tiny_base("llama", seed=seed, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE), l, G)
+    model = to_swiftkv(tiny_base("llama", seed=seed, **ROPE), l, G)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     generator = torch.Generator().manual_seed(seed + 1)
     for name in state:
@@ -126,7 +127,7 @@ def write_published(path: Path, fp8: bool = False) -> Path:
         "hidden_size": TINY["hidden_size"],
         "initializer_range": 0.02,
         "intermediate_size": TINY["intermediate_size"],
-        "max_position_embeddings": TINY["max_position_embeddings"],
+        "max_position_embeddings": ROPE["max_position_embeddings"],
         "mlp_bias": False,
         "model_type": "llama_swiftkv",
         "num_attention_heads": TINY["num_attention_heads"],
@@ -210,7 +211,7 @@ def test_fp8_variant_is_refused_by_name_with_the_way_out(tmp_path, capsys):
 
 def test_ours_has_every_field_and_weight_of_the_published_layout(published, tmp_path):
     base = tmp_path / "base"
-    tiny_base("llama", rope_theta=500000.0, rope_scaling=LLAMA3_ROPE).save_pretrained(base)
+    tiny_base("llama", **ROPE).save_pretrained(base)
     ours = convert(base, tmp_path / "ours", num_key_value_layers=l, group_size=G)
     config = json.loads((ours / "config.json").read_text())
     assert {k: config[k] for k in REFERENCE_FIELDS} == REFERENCE_FIELDS
