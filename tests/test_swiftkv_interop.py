@@ -50,7 +50,14 @@ LLAMA3_ROPE = {  # Llama-3.1's rope in transformers 4.x spelling (with its 128k 
     "original_max_position_embeddings": 8192,
     "rope_type": "llama3",
 }
-ROPE = dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)
+# Llama-3.1's rope and context; 2 heads of 32 (vLLM's CPU attention has no kernel for TINY's 16-wide heads)
+SHAPE = dict(
+    rope_theta=500000.0,
+    rope_scaling=LLAMA3_ROPE,
+    max_position_embeddings=131072,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 FP8 = {  # llm-compressor's FP8 W8A8 (compressed-tensors, float-quantized): per-channel weights, dynamic tokens
     "quant_method": "compressed-tensors",
     "format": "float-quantized",
@@ -81,7 +88,7 @@ FP8 = {  # llm-compressor's FP8 W8A8 (compressed-tensors, float-quantized): per-
 def published_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the reference module tree's names (a distilled model's SwiftKV weights differ
     from the copies a conversion starts from: perturbed here)."""
-    model = to_swiftkv(tiny_base("llama", seed=seed, **ROPE), l, G)
+    model = to_swiftkv(tiny_base("llama", seed=seed, **SHAPE), l, G)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     generator = torch.Generator().manual_seed(seed + 1)
     for name in state:
@@ -122,17 +129,17 @@ def write_published(path: Path, fp8: bool = False) -> Path:
         "attention_dropout": 0.0,
         "bos_token_id": TINY["bos_token_id"],
         "eos_token_id": TINY["eos_token_id"],
-        "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"],
+        "head_dim": TINY["hidden_size"] // SHAPE["num_attention_heads"],
         "hidden_act": "silu",
         "hidden_size": TINY["hidden_size"],
         "initializer_range": 0.02,
         "intermediate_size": TINY["intermediate_size"],
-        "max_position_embeddings": ROPE["max_position_embeddings"],
+        "max_position_embeddings": SHAPE["max_position_embeddings"],
         "mlp_bias": False,
         "model_type": "llama_swiftkv",
-        "num_attention_heads": TINY["num_attention_heads"],
+        "num_attention_heads": SHAPE["num_attention_heads"],
         "num_hidden_layers": L,
-        "num_key_value_heads": TINY["num_key_value_heads"],
+        "num_key_value_heads": SHAPE["num_key_value_heads"],
         "pretraining_tp": 1,
         "rms_norm_eps": 1e-6,
         "rope_scaling": LLAMA3_ROPE,
@@ -211,7 +218,7 @@ def test_fp8_variant_is_refused_by_name_with_the_way_out(tmp_path, capsys):
 
 def test_ours_has_every_field_and_weight_of_the_published_layout(published, tmp_path):
     base = tmp_path / "base"
-    tiny_base("llama", **ROPE).save_pretrained(base)
+    tiny_base("llama", **SHAPE).save_pretrained(base)
     ours = convert(base, tmp_path / "ours", num_key_value_layers=l, group_size=G)
     config = json.loads((ours / "config.json").read_text())
     assert {k: config[k] for k in REFERENCE_FIELDS} == REFERENCE_FIELDS
