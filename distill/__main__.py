@@ -27,10 +27,14 @@ def build_parser() -> ArgumentParser:
 
 
 def _distill(args) -> str:
+    from swiftkv.checkpoint import open_checkpoint
+
     from .check import load_recipe_or_usage
     from .train import train
 
-    return f"distilled model: {train(load_recipe_or_usage(args.recipe, args.overrides))}"
+    recipe = load_recipe_or_usage(args.recipe, args.overrides)
+    open_checkpoint(recipe.model.source)  # a bad model is refused before any work (a Hub id is fetched here)
+    return f"distilled model: {train(recipe)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """``python -m distill check RECIPE [key=value ...]``: will this run work, and does it fit, before launch?
 
 Reads only small files, so a 70B check runs on a laptop: the recipe (validated), the model's ``config.json``
-(``--model-config`` when the model folder is not on this machine), the tokenizer files, the accelerate config
+and its weights files' headers (``--model-config`` when the model folder is not on this machine; a Hub id
+fetches only its config and tokenizer), the tokenizer files, the accelerate config
 (``--config``: process count, DeepSpeed stage, offload, buckets) and the first ``--limit`` rows of every data
 source.  Prints per-source sample and assistant-token counts and the per-GPU memory plan of ``distill.memory``;
 exits 2 with one line when the recipe is invalid, a source yields no trainable row or cannot be read (hub
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from swiftkv.checkpoint import Checkpoint, looks_like_hub_id, open_checkpoint
 from swiftkv.cliargs import ArgumentParser, UsageError, add_limit, existing_path, run
-from swiftkv.convert import read_config, resolve_num_key_value_layers
+from swiftkv.convert import resolve_num_key_value_layers
 from swiftkv.flops import Shape
 
 from .memory import GB, Batch, Parallel, Params, activations, comm_buffers, lstsq_init, model_states
@@ -71,16 +73,28 @@ def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
         ) from None
 
 
+def open_source(recipe: Recipe, tokenizer: bool) -> Checkpoint:
+    """``model.source`` checked as every entry point checks a model (``swiftkv.checkpoint``): a local folder
+    with its weights' headers (a folder of only config.json and tokenizer, for a check on a laptop, is
+    fine), a Hub id by its config and tokenizer only (no weights are downloaded)."""
+    source = recipe.model.source
+    hub = looks_like_hub_id(source)
+    local = Path(source).expanduser()
+    if not hub and not local.exists():
+        raise UsageError(
+            f"model.source {source} is not on this machine "
+            "(to resolve, pass --model-config PATH/config.json of that model)"
+        )
+    weights = not hub and (
+        any(local.glob("*.safetensors")) or (local / "model.safetensors.index.json").is_file()
+    )
+    return open_checkpoint(source, weights=weights, tokenizer=tokenizer)
+
+
 def model_config_of(recipe: Recipe, path: Path | None) -> dict:
     """The model's config.json: ``path`` when given, else the one in ``model.source`` (never any weights)."""
     if path is None:
-        source = Path(recipe.model.source)
-        if not (source / "config.json").is_file():
-            raise UsageError(
-                f"model.source {source} has no config.json on this machine "
-                "(to resolve, pass --model-config PATH/config.json of that model)"
-            )
-        return read_config(source)
+        return open_source(recipe, tokenizer=False).config
     path = path / "config.json" if path.is_dir() else path
     try:
         return json.loads(path.read_text())
@@ -283,7 +297,10 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
 
 def check(args) -> None:
     recipe = load_recipe_or_usage(args.recipe, args.overrides)
-    config = model_config_of(recipe, args.model_config)
+    source = None
+    if args.model_config is None:
+        source = open_source(recipe, tokenizer=args.tokenizer is None and not args.no_data)
+    config = source.config if source is not None else model_config_of(recipe, args.model_config)
     par = parallel_plan(args.config)
     max_pos = config.get("max_position_embeddings")
     if max_pos is not None and recipe.data.seq_len > max_pos:
@@ -312,7 +329,7 @@ def check(args) -> None:
     elif args.model_config is not None:
         tokenizer_dir = args.model_config if args.model_config.is_dir() else args.model_config.parent
     else:
-        tokenizer_dir = Path(recipe.model.source)
+        tokenizer_dir = source.path
     print("\n".join(data_report(recipe, tokenizer_dir, args.limit)))
 
 

@@ -174,12 +174,24 @@ class CheckpointSection(_Section):
     scar: ScarConfig | None = Field(None, description="prioritized running checkpoint (SCAR); off if absent")
 
 
+# accelerate's tracker names (accelerate.utils.LoggerType, less "all": a recipe names what it logs to)
+TRACKERS = Literal[
+    "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "aim", "swanlab"
+]
+
+
 class LogSection(_Section):
     every_steps: int = Field(1, ge=1)
     eval_every_steps: int | None = Field(
         None, ge=1, description="held-out KL every N steps (default: at the end)"
     )
     eval_batches: int = Field(8, ge=1)
+    report_to: list[TRACKERS] = Field(
+        [],
+        description="experiment trackers fed through accelerate's tracker API beside log.jsonl (which stays the "
+        "source of the reports): tensorboard (event files in output_dir/trackers), wandb, mlflow, ...; each "
+        "must be installed (checked before any work)",
+    )
 
 
 class Recipe(_Section):

@@ -27,14 +27,18 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swiftkv.artifacts import write_json_atomic
 from swiftkv.calibrate import fit_swiftkv_kv
+from swiftkv.card import quality_section
+from swiftkv.checkpoint import open_checkpoint
+from swiftkv.cliargs import UsageError
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
@@ -67,8 +71,10 @@ def _converted_dir(recipe: Recipe) -> Path:
 def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
     """The SwiftKV checkpoint to start from.  A base source is first converted on disk into
     ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
-    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization."""
-    source = Path(recipe.model.source)
+    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization.  ``model.source`` may be a
+    Hub id (fetched once, by the main process, into the Hugging Face cache)."""
+    with accelerator.main_process_first():
+        source = open_checkpoint(recipe.model.source).path
     config = read_config(source)
     if "num_key_value_layers" in config:
         return source
@@ -166,6 +172,7 @@ class Run:
     comm: CommState | None = None
     scar: object | None = None  # distill.scar.running.RunningCheckpoint
     recovered: bool = False  # resumed from SCAR's running checkpoint: a mix of block versions, not one step's
+    source: Path | None = None  # the folder the model was loaded from (its licence files and card travel on)
 
 
 def _schedule(recipe: Recipe, max_steps: int):
@@ -213,7 +220,36 @@ def resume_point(recipe: Recipe, num_processes: int, stage: int) -> Resume:
     return plan(ckpt, state, recipe, num_processes, stage)
 
 
+def check_trackers(names: list[str]) -> None:
+    """Refuse a ``log.report_to`` tracker that is not installed (accelerate would drop it silently)."""
+    from accelerate.tracking import get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()}
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise UsageError(
+            f"log.report_to names {', '.join(missing)}, not installed here (to resolve, `pip install "
+            f"{' '.join(missing)}`, or remove it from log.report_to)"
+        )
+
+
+def tracker_config(recipe: Recipe) -> dict:
+    """The recipe as flat ``section.key: scalar`` pairs (what trackers' hyperparameter tables take)."""
+    flat = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+        elif node is not None:
+            flat[prefix[:-1]] = node if isinstance(node, int | float | str | bool) else json.dumps(node)
+
+    walk("", recipe.model_dump(mode="json"))
+    return flat
+
+
 def setup(recipe: Recipe) -> Run:
+    check_trackers(recipe.log.report_to)
     # gloo on CPU; the handler must only be passed to multi-process launches (else accelerate expects a group),
     # and without DeepSpeed accelerate only wraps a CPU model in DDP when told cpu=True
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -230,6 +266,8 @@ def setup(recipe: Recipe) -> Run:
         mixed_precision=recipe.train.mixed_precision,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[group] if multi else [],
+        log_with=recipe.log.report_to or None,
+        project_config=ProjectConfiguration(logging_dir=str(Path(recipe.output_dir) / "trackers")),
     )
     require_ddp_path(recipe.comm, deepspeed, accelerator.num_processes)  # before any expensive work
     resume = resume_point(recipe, accelerator.num_processes, zero_stage(accelerator))
@@ -314,6 +352,7 @@ def setup(recipe: Recipe) -> Run:
         comm,
         scar,
         recovered=start_step != full_step,
+        source=source,
     )
 
 
@@ -461,6 +500,8 @@ def export(run: Run, metrics: dict) -> Path:
             model = model.merge_and_unload()
             state = model.state_dict()
         model.set_mode("student")
+        recipe = yaml.safe_dump(run.recipe.model_dump(mode="json", exclude={"output_dir"}), sort_keys=False)
+        held_out = {k.removeprefix("eval_"): v for k, v in metrics.items() if k.startswith("eval_")}
         save_pretrained_swiftkv(
             model,
             run.out / "model",
@@ -468,6 +509,20 @@ def export(run: Run, metrics: dict) -> Path:
             state_dict=state,
             force=True,
             provenance={"stage": "distill", "recipe": run.recipe.model_dump(mode="json"), **metrics},
+            source=run.source,
+            made_by=[
+                "`python -m distill`: the SwiftKV projections trained to match the teacher (the same weights "
+                "in original mode), every original weight frozen. The recipe:",
+                "",
+                "```yaml",
+                recipe.rstrip(),
+                "```",
+            ],
+            quality=quality_section(
+                held_out,
+                "At the end of distillation, on the recipe's held-out rows (`data.holdout`), against the "
+                "teacher: KL(teacher || student) at T = 1, top-1 agreement, perplexities of both.",
+            ),
         )
     acc.wait_for_everyone()
     return run.out / "model"
@@ -497,10 +552,16 @@ def loop(run: Run) -> Path:
         cfg.data.seq_len * cfg.train.micro_batch_size * acc.gradient_accumulation_steps * acc.num_processes
     )
 
+    # the trackers get the same numbers as log.jsonl, which stays the source of the reports
+    if cfg.log.report_to:
+        acc.init_trackers(run.out.name, config=tracker_config(cfg))
+
     def log(record: dict) -> None:
         if acc.is_main_process:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+            acc.log(numbers, step=record["step"])
 
     if step == 0:
         log({"step": 0, "train_tokens": 0, **evaluate(run)})

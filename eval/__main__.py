@@ -6,6 +6,7 @@ import json
 
 from swiftkv.cliargs import (
     ArgumentParser,
+    add_checkpoint,
     add_limit,
     add_model,
     add_out,
@@ -17,22 +18,62 @@ from swiftkv.cliargs import (
 
 EPILOG = """examples:
   python -m eval run --quick                           # the main job: convert -> distill -> evaluate -> report
+  python -m eval run MODEL --recipe swiftkv_llama3.1_8b.yaml --device auto --dtype bfloat16 --out out/mine
   python -m eval tasks --out out/tasks                 # write the offline ShareGPT tasks for lm-eval
   python -m eval harness out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
   lm_eval --model hf --model_args pretrained=out/smollm2-swiftkv50,trust_remote_code=True \\
       --include_path out/tasks --tasks sharegpt_ppl --device cpu
   python -m eval quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
+  python -m eval quality out/llama8b/model --device auto --dtype bfloat16 --batch-size 8   # on the GPUs
   python -m eval report out/demo                       # report.md + PNGs from out/demo/run.json
   python -m eval report out/demo --curve out/curve/swiftkv25 out/curve/swiftkv50   # + longer runs' curves
   python -m eval vllm-args out/smollm2-swiftkv50 --suffix-cache out/suffix-cache --ranker out/ranker
 """
 
 
+def add_placement(parser: ArgumentParser, batch_size: int | None = 4) -> None:
+    """``--device``, ``--dtype`` (and ``--batch-size``) of the evaluation commands (``eval.quality``)."""
+    from .quality import DEVICES, DTYPES
+
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu, cuda (one GPU) or auto (device_map=auto over all visible GPUs) (default: cpu)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
+    if batch_size is not None:
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=batch_size,
+            help=f"sequences per forward (default: {batch_size})",
+        )
+
+
 def build_parser() -> ArgumentParser:
-    from .job import JOB_EPILOG
+    from .job import DEFAULT_RECIPE, JOB_EPILOG
 
     parser, sub = command_parser("python -m eval", __doc__, EPILOG)
-    job = sub.add_parser("run", help="the main job on the embedded default (resumable)", epilog=JOB_EPILOG)
+    job = sub.add_parser("run", help="the main job, on the embedded default or your model", epilog=JOB_EPILOG)
+    add_checkpoint(
+        job,
+        nargs="?",
+        default=None,
+        help="a model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    job.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help=f"distillation recipe: a file or a shipped name (default: {DEFAULT_RECIPE})",
+    )
+    job.add_argument(
+        "--launch",
+        type=existing_path,
+        help="accelerate config: run each distillation under `accelerate launch` (e.g. all 8 GPUs) "
+        "instead of in this process",
+    )
+    add_placement(job, batch_size=None)
     add_out(job, help="run folder (default out/demo, out/demo-quick with --quick)", required=False)
     job.add_argument("--quick", action="store_true", help="tiny settings (CI)")
     job.add_argument("--fractions", type=float_list, default=None, help="SwiftKV fractions, e.g. 0.25,0.5")
@@ -43,17 +84,24 @@ def build_parser() -> ArgumentParser:
     add_out(tasks, "out/tasks", help="tasks folder (default out/tasks)")
     add_limit(tasks, 100, "documents per task")
     harness = sub.add_parser("harness", help="lm-eval with our model types registered in-process")
-    add_model(harness)
+    add_checkpoint(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated task names")
     harness.add_argument("--tasks-dir", default="out/tasks", help="written by `tasks` if missing")
     add_limit(harness, None, "documents per task")
     harness.add_argument("--max-length", type=int, default=1024)
+    add_placement(harness)
     quality = sub.add_parser(
         "quality", help="KL, agreement, perplexity and greedy agreement against the teacher"
     )
-    add_model(quality, help="SwiftKV checkpoint (compared with its own teacher mode)")
+    add_checkpoint(quality, help="SwiftKV checkpoint (compared with its own teacher mode): folder or Hub id")
     add_limit(quality, 32, "held-out conversations")
     quality.add_argument("--prompts", type=int, default=8, help="prompts for greedy agreement (default: 8)")
+    quality.add_argument(
+        "--data",
+        default="sharegpt",
+        help="held-out conversations: 'sharegpt' (its held-out split) or a JSONL file of your own, used whole",
+    )
+    add_placement(quality)
     report = sub.add_parser("report", help="report.md and PNG plots from RUN_DIR/run.json")
     add_model(report, "run_dir", help="run folder holding run.json")
     report.add_argument(
@@ -67,7 +115,7 @@ def build_parser() -> ArgumentParser:
     serve = sub.add_parser(
         "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
     )
-    add_model(serve, "checkpoint")
+    add_checkpoint(serve, "checkpoint")
     serve.add_argument(
         "--suffix-cache", type=existing_path, help="from `python -m eval.serving.suffix build`"
     )
@@ -78,10 +126,24 @@ def build_parser() -> ArgumentParser:
 
 
 def _command(args) -> str:
+    from swiftkv.checkpoint import open_checkpoint
+
     if args.command == "run":
         from .job import run_job
 
-        return str(run_job(args.out, args.quick, args.fractions, args.distill_steps))
+        return str(
+            run_job(
+                args.out,
+                args.quick,
+                args.fractions,
+                args.distill_steps,
+                args.model,
+                args.recipe,
+                args.device,
+                args.dtype,
+                args.launch,
+            )
+        )
     if args.command == "tasks":
         from .tasks import write_tasks
 
@@ -90,22 +152,48 @@ def _command(args) -> str:
         from pathlib import Path
 
         from .harness import run_harness
+        from .quality import check_placement
         from .tasks import TASKS, write_tasks
 
+        check_placement(args.device, args.dtype)
+        model = open_checkpoint(args.model).path
         tasks_dir = Path(args.tasks_dir)
         if not all((tasks_dir / f"{t}.yaml").is_file() for t in TASKS):
             write_tasks(tasks_dir)
-        return json.dumps(
-            run_harness(args.model, args.tasks.split(","), tasks_dir, args.limit, args.max_length), indent=2
+        results = run_harness(
+            model,
+            args.tasks.split(","),
+            tasks_dir,
+            args.limit,
+            args.max_length,
+            args.batch_size,
+            args.device,
+            args.dtype,
         )
+        return json.dumps(results, indent=2)
     if args.command == "quality":
-        from .quality import evaluate_quality
+        from swiftkv.assets import resolve_data_path
 
-        return json.dumps(evaluate_quality(args.model, args.limit, n_prompts=args.prompts), indent=2)
+        from .quality import check_placement, evaluate_quality
+
+        check_placement(args.device, args.dtype)
+        resolve_data_path(args.data)
+        model = open_checkpoint(args.model).path
+        result = evaluate_quality(
+            model,
+            args.limit,
+            n_prompts=args.prompts,
+            device=args.device,
+            dtype=args.dtype,
+            batch_size=args.batch_size,
+            data=args.data,
+        )
+        return json.dumps(result, indent=2)
     if args.command == "vllm-args":
         from .serving.vllm.args import serve_command
 
-        return serve_command(args.checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell()
+        checkpoint = open_checkpoint(args.checkpoint, quantized=True).path  # vLLM serves FP8 checkpoints
+        return serve_command(checkpoint, args.suffix_cache, args.ranker, args.cpu, args.port).shell()
     from .report import write_report
 
     return str(write_report(args.run_dir, args.curve))

@@ -4,6 +4,9 @@ Stock lm-eval works too, through the remote code saved beside the weights:
 ``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path TASKS --tasks ...``.
 GPU users evaluate the reference's hub tasks the same way (see README: ARC-C 25-shot, Winogrande 5-shot,
 HellaSwag 10-shot, TruthfulQA 0-shot mc2, MMLU 5-shot, MMLU-CoT (mmlu_flan_cot_zeroshot), GSM8K 5-shot CoT).
+
+``device`` is ``cpu``, ``cuda`` (one GPU) or ``auto`` (lm-eval's ``parallelize``: ``device_map="auto"`` over
+every visible GPU); ``dtype`` float32, bfloat16 or float16, as ``eval.quality``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ def run_harness(
     max_length: int = 1024,
     batch_size: int = 4,
     device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model_dir`` on ``tasks`` and return {task: {metric: value}}."""
     import lm_eval
@@ -26,19 +30,23 @@ def run_harness(
 
     import swiftkv  # noqa: F401  (registers llama_swiftkv / qwen2_swiftkv with the Auto classes)
 
+    from .quality import check_placement
+
+    check_placement(device, dtype)
     results = lm_eval.simple_evaluate(
         model="hf",
         model_args={
             "pretrained": str(model_dir),
-            "dtype": "float32",
+            "dtype": dtype,
             "backend": "causal",
             "max_length": max_length,
+            **({"parallelize": True} if device == "auto" else {}),
         },
         tasks=tasks,
         task_manager=TaskManager(include_path=str(tasks_dir)),
         limit=limit,
         batch_size=batch_size,
-        device=device,
+        device=None if device == "auto" else device,
         log_samples=False,
         bootstrap_iters=0,
     )

@@ -1,10 +1,18 @@
-"""The main job on the embedded default: convert -> distill -> evaluate -> report, resumable.
+"""The main job: convert -> distill -> evaluate -> report, resumable, for the embedded default or any model.
 
 ``run_job()`` runs every stage through ``eval.pipeline.run_stage``: a stage is skipped when its inputs are
 unchanged and reruns (with everything downstream) when they change; an interrupted distillation resumes from
 its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
 
-``run.json``: ``{"meta": {model, machine, threads, dtype, date, prefill_lengths, seconds, quick},
+The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub id, checked by
+``swiftkv.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, found with
+``importlib.resources``, so a non-editable install has them too: ``RECIPES``) or a path.  ``device`` and
+``dtype`` place the evaluation stages (quality, speed, lm-eval; ``eval.quality.load_for_eval``); the
+distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``): in this process (one GPU
+when there is one), or with ``launch`` under ``accelerate launch`` on every GPU its config names.  The
+quality stage also writes its numbers into each SwiftKV folder's model card.
+
+``run.json``: ``{"meta": {model, machine, threads, device, dtype, date, prefill_lengths, seconds, quick},
 "commands": [the commands that reproduce each stage], "variants": [{name, dir, num_layers, swiftkv_layers,
 group_size, kv_bytes_per_token, ideal_prefill_speedup: {n: x}, quality, quality_before, speed: {prefill_s,
 prefill_speedup, decode_s, decode_ratio}, lm_eval, distill}]}``.
@@ -12,18 +20,27 @@ prefill_speedup, decode_s, decode_ratio}, lm_eval, distill}]}``.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import platform
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "swiftkv_smollm2_cpu.yaml"
+# the shipped recipes (recipes/ of the repository, package data of distill)
+RECIPES = Path(str(importlib.resources.files("distill") / "recipes"))
+DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
+LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
   python -m eval run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
   python -m eval run --quick         # tiny settings (a few minutes; the tests run this)
   python -m eval run --out out/demo --fractions 0.5 --distill-steps 60
+  python -m eval run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml --fractions 0.5 \\
+      --launch recipes/accelerate/8gpu_zero2.yaml --device auto --dtype bfloat16 --out out/llama8b
 """
 
 FULL = dict(
@@ -75,35 +92,82 @@ def job_settings(quick: bool, fractions: list[float] | None, distill_steps: int 
     return cfg
 
 
+def recipe_path(recipe: str | Path) -> Path:
+    """A recipe file: an existing path, else the name of a shipped one (``RECIPES``, ``.yaml`` optional)."""
+    from swiftkv.cliargs import UsageError
+
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    name = path.name if path.suffix else f"{path.name}.yaml"
+    if (RECIPES / name).is_file() and path.parent == Path("."):
+        return RECIPES / name
+    shipped = ", ".join(sorted(p.name for p in RECIPES.glob("*.yaml")))
+    raise UsageError(
+        f"recipe {recipe} not found (to resolve, pass a recipe file or a shipped one: {shipped})"
+    )
+
+
 def run_job(
     run_dir: Path | None = None,
     quick: bool = False,
     fractions: list[float] | None = None,
     distill_steps: int | None = None,
+    model: str | Path | None = None,
+    recipe: str | Path = DEFAULT_RECIPE,
+    device: str = "cpu",
+    dtype: str = "float32",
+    launch: str | Path | None = None,
 ) -> Path:
-    """Run (or resume) the main job into ``run_dir`` (default ``out/demo``, ``out/demo-quick`` with ``quick``);
-    return the path of its ``report.md``."""
-    from distill.recipe import load_recipe
-    from distill.train import train
+    """Run (or resume) the main job on ``model`` (default: the embedded SmolLM2) with ``recipe`` into ``run_dir``
+    (default ``out/demo``, ``out/demo-quick`` with ``quick``); return the path of its ``report.md``.
+
+    ``launch``: an accelerate config; each distillation then runs as ``accelerate launch --config_file LAUNCH
+    -m distill ...`` (all the GPUs it names) instead of in this process."""
+    from distill.check import load_recipe_or_usage
     from swiftkv.artifacts import read_provenance
     from swiftkv.assets import fetch_model, fetch_sharegpt
+    from swiftkv.card import quality_section, set_quality
+    from swiftkv.checkpoint import open_checkpoint
+    from swiftkv.cliargs import UsageError
 
     from .harness import run_harness
     from .pipeline import run_stage
-    from .quality import evaluate_quality
+    from .quality import check_placement, evaluate_quality
     from .report import write_report
     from .tasks import write_tasks
 
     cfg = job_settings(quick, fractions, distill_steps)
+    check_placement(device, dtype)
+    if launch is not None and not Path(launch).is_file():
+        raise UsageError(
+            f"accelerate config {launch} not found (to resolve, pass a file such as {LAUNCH_EXAMPLE})"
+        )
+    recipe_file = recipe_path(recipe)
+    load_recipe_or_usage(recipe_file, [])  # a bad recipe is refused before any work
+    source = open_checkpoint(model) if model is not None else None
     run_dir = Path(run_dir or ("out/demo-quick" if quick else "out/demo")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    base = fetch_model()
+    base = source.path if source is not None else fetch_model()
     fetch_sharegpt()
-    flags = " --quick" if quick else ""
+    flags = "".join(
+        [
+            f" {source.name}" if source is not None else "",
+            f" --recipe {recipe}" if str(recipe) != DEFAULT_RECIPE else "",
+            f" --device {device}" if device != "cpu" else "",
+            f" --dtype {dtype}" if dtype != "float32" else "",
+            f" --launch {launch}" if launch is not None else "",
+            " --quick" if quick else "",
+        ]
+    )
     commands = [f"python -m eval run --out {run_dir}{flags}"]
     t0 = time.time()
-    base_key = read_provenance(base).get("gguf_sha256", str(base))
+    if source is not None:
+        base_key = f"{source.name}@{source.revision}" if source.revision else str(base)
+    else:
+        base_key = read_provenance(base).get("gguf_sha256", str(base))
+    placement = {"device": device, "dtype": dtype}
     tasks_key, tasks_dir = run_stage(
         run_dir,
         "tasks",
@@ -123,13 +187,16 @@ def run_job(
             *steps,
             *cfg["distill"],
         ]
-        recipe = load_recipe(RECIPE, overrides)
-        commands.append(f"python -m distill recipes/{RECIPE.name} {' '.join(overrides)}")
+        loaded = load_recipe_or_usage(recipe_file, overrides)
+        command = ["-m", "distill", str(recipe_file), *overrides]
+        if launch is not None:
+            command = ["-m", "accelerate.commands.launch", "--config_file", str(launch), *command]
+        commands.append(shlex.join(["python", *command]))
         key, result = run_stage(
             run_dir,
             f"distill-{name}",
-            {"recipe": recipe.model_dump(mode="json"), "base": base_key},
-            lambda recipe=recipe: _distill(train, recipe),
+            {"recipe": loaded.model_dump(mode="json"), "base": base_key},
+            lambda loaded=loaded, command=command: _distill(loaded, command if launch is not None else None),
             output=out,
         )
         variants.append(
@@ -147,37 +214,61 @@ def run_job(
         _, v["quality"] = run_stage(
             run_dir,
             f"quality-{v['name']}",
-            {"model": v["key"], "cfg": cfg["quality"]},
-            lambda v=v: evaluate_quality(v["dir"], **cfg["quality"]),
+            {"model": v["key"], "cfg": cfg["quality"], **placement},
+            lambda v=v: evaluate_quality(v["dir"], **cfg["quality"], **placement),
         )
+        if v["fraction"]:  # the SwiftKV folders this job wrote (never the user's model) carry the numbers
+            set_quality(
+                Path(v["dir"]),
+                quality_section(
+                    v["quality"],
+                    f"`python -m eval run` ({dtype} on {device}): on {cfg['quality']['n_conversations']} "
+                    "held-out ShareGPT conversations against the teacher (KL at T = 1, top-1 agreement, "
+                    f"perplexities) and greedy agreement on {cfg['quality']['n_prompts']} held-out prompts.",
+                ),
+            )
     measured = [v for v in variants if "before_of" not in v]
     speed_inputs = {
         "models": [v["key"] for v in measured],
         **{k: cfg[k] for k in ("lengths", "repeats", "decode_context", "decode_steps")},
+        **placement,
     }
-    _, speed = run_stage(run_dir, "speed", speed_inputs, lambda: _speed(measured, cfg))
+    _, speed = run_stage(run_dir, "speed", speed_inputs, lambda: _speed(measured, cfg, device, dtype))
     for v in measured:
         _, v["lm_eval"] = run_stage(
             run_dir,
             f"lm_eval-{v['name']}",
-            {"model": v["key"], "tasks": tasks_key, **cfg["harness"]},
+            {"model": v["key"], "tasks": tasks_key, **cfg["harness"], **placement},
             lambda v=v: run_harness(
-                v["dir"], ["sharegpt_ppl", "sharegpt_mc"], tasks_dir, batch_size=4, **cfg["harness"]
+                v["dir"],
+                ["sharegpt_ppl", "sharegpt_mc"],
+                tasks_dir,
+                batch_size=4,
+                **cfg["harness"],
+                **placement,
             ),
         )
         commands.append(
             f"python -m eval harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc "
-            f"--tasks-dir {tasks_dir} --limit {cfg['harness']['limit']}"
+            f"--tasks-dir {tasks_dir} --limit {cfg['harness']['limit']} --device {device} --dtype {dtype}"
         )
     commands.append(f"python -m eval report {run_dir}")
-    write_run_json(run_dir, base, cfg, measured, variants, speed, commands, time.time() - t0)
+    name = source.name if source is not None else str(base)
+    write_run_json(run_dir, name, cfg, measured, variants, speed, commands, time.time() - t0, device, dtype)
     return write_report(run_dir)
 
 
-def _distill(train, recipe) -> dict:
+def _distill(recipe, command: list[str] | None = None) -> dict:
+    """Run one distillation, in this process or (``command``) as ``python COMMAND``, and read back its result."""
+    from distill.train import train
+
     from .report import read_curve
 
-    model_dir = train(recipe)
+    if command is None:
+        model_dir = train(recipe)
+    else:
+        subprocess.run([sys.executable, *command], check=True)
+        model_dir = Path(recipe.output_dir) / "model"
     out = Path(recipe.output_dir)
     final = json.loads((out / "final_metrics.json").read_text())
     curve = read_curve(out)
@@ -185,16 +276,12 @@ def _distill(train, recipe) -> dict:
     return {"model": str(model_dir), "initial_eval_kl": initial, **final, "curve": curve}
 
 
-def _speed(measured: list[dict], cfg: dict) -> dict:
+def _speed(measured: list[dict], cfg: dict, device: str, dtype: str) -> dict:
     """Prefill and decode times of every measured variant, interleaved (``eval.speed``), as ratios to the original."""
-    from transformers import AutoModelForCausalLM
-
+    from .quality import load_for_eval
     from .speed import decode_times, prefill_times
 
-    models = {
-        v["name"]: AutoModelForCausalLM.from_pretrained(v["dir"], dtype=torch.float32).eval()
-        for v in measured
-    }
+    models = {v["name"]: load_for_eval(v["dir"], device, dtype)[0] for v in measured}
     out = {name: {"prefill_s": {}} for name in models}
     for n in cfg["lengths"]:
         for name, t in prefill_times(models, 1, n, cfg["repeats"]).items():
@@ -209,7 +296,9 @@ def _speed(measured: list[dict], cfg: dict) -> dict:
     return out
 
 
-def write_run_json(run_dir, base, cfg, measured, variants, speed, commands, seconds) -> None:
+def write_run_json(
+    run_dir, model, cfg, measured, variants, speed, commands, seconds, device="cpu", dtype="float32"
+) -> None:
     """``RUN_DIR/run.json`` (the schema in the module docstring), written atomically."""
     from swiftkv.artifacts import write_json_atomic
     from swiftkv.convert import read_config
@@ -235,11 +324,16 @@ def write_run_json(run_dir, base, cfg, measured, variants, speed, commands, seco
                 distill=v.get("distill"),
             )
         )
+    if device == "cpu" or not torch.cuda.is_available():
+        machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    else:
+        machine = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     meta = dict(
-        model=str(base),
-        machine=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        model=model,
+        machine=machine,
         threads=torch.get_num_threads(),
-        dtype="float32",
+        device=device,
+        dtype=dtype,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         prefill_lengths=cfg["lengths"],
         seconds=round(seconds),

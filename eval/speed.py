@@ -3,7 +3,8 @@
 Prefill is what ``generate()`` does first: one forward over the prompt with a fresh cache and
 ``logits_to_keep=1``.  Decode is one new token against a cache of ``context`` tokens, cropped back after each
 step.  Each repeat times every model once in a shuffled order, so a slow spell hits all alike; callers report
-medians and ratios to the original measured in the same run.
+medians and ratios to the original measured in the same run.  On a GPU the prompt goes to each model's
+embedding device and every timed call ends with a device synchronisation.
 """
 
 from __future__ import annotations
@@ -16,22 +17,43 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 
+def input_device(model) -> torch.device:
+    """Where inputs go: the embedding's device (accelerate's hooks move them on from there when dispatched)."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _on_model(model, ids: torch.Tensor) -> torch.Tensor:
+    return ids.to(input_device(model))
+
+
+def _sync(ids: torch.Tensor) -> None:
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+
+
 @torch.inference_mode()
 def time_prefill(model, ids: torch.Tensor) -> float:
+    ids = _on_model(model, ids)
+    _sync(ids)
     start = time.perf_counter()
     model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    _sync(ids)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
 def time_decode(model, ids: torch.Tensor, steps: int) -> float:
     """Median seconds of one decode step after prefilling ``ids[:, :-1]``."""
+    ids = _on_model(model, ids)
     cache = DynamicCache(config=model.config)
     model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
     times = []
     for _ in range(steps):
+        _sync(ids)
         start = time.perf_counter()
         model(ids[:, -1:], cache=cache, use_cache=True)
+        _sync(ids)
         times.append(time.perf_counter() - start)
         cache.crop(-1)
     return statistics.median(times)

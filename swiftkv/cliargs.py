@@ -78,6 +78,26 @@ def add_model(parser: argparse.ArgumentParser, name: str = "model", help: str = 
     return parser.add_argument(name, type=existing_path, help=help)
 
 
+def model_name(text: str) -> str:
+    """argparse type: an existing path or a Hugging Face Hub id (``org/name[@revision]``); the command
+    fetches and checks it with ``swiftkv.checkpoint.open_checkpoint`` before any work."""
+    from .checkpoint import looks_like_hub_id
+
+    if Path(text).expanduser().exists() or looks_like_hub_id(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text} does not exist (and is not a Hub model id such as org/name)")
+
+
+def add_checkpoint(
+    parser: argparse.ArgumentParser,
+    name: str = "model",
+    help: str = "model or checkpoint: a folder, or a Hugging Face Hub id (org/name[@revision])",
+    **kwargs,
+):
+    """The positional model of a command that reads one: a folder or a Hub id (see ``model_name``)."""
+    return parser.add_argument(name, type=model_name, help=help, **kwargs)
+
+
 def add_out(
     parser: argparse.ArgumentParser,
     default: str | None = None,

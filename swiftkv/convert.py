@@ -31,24 +31,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
-from .artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
+from .artifacts import (
+    atomic_output_dir,
+    check_destination,
+    write_json_atomic,
+    write_provenance,
+)
+from .card import CARD_FILE, copy_licence_files, source_identity, write_card
+from .checkpoint import FAMILIES, read_config, weight_files
 
 logger = logging.getLogger(__name__)
 
-# base model_type -> (SwiftKV model_type, architecture class, config class)
-FAMILIES = {
-    "llama": ("llama_swiftkv", "LlamaSwiftKVForCausalLM", "LlamaSwiftKVConfig"),
-    "mistral": ("llama_swiftkv", "LlamaSwiftKVForCausalLM", "LlamaSwiftKVConfig"),  # same weights as Llama
-    "qwen2": ("qwen2_swiftkv", "Qwen2SwiftKVForCausalLM", "Qwen2SwiftKVConfig"),
-    "qwen3": ("qwen3_swiftkv", "Qwen3SwiftKVForCausalLM", "Qwen3SwiftKVConfig"),
-}
 # families whose attention normalizes each query/key head (their SwiftKV layers get q/k_norm_swiftkv)
 HEAD_NORM_FAMILIES = ("qwen3_swiftkv",)
 REMOTE_CODE_FILES = ("configuration_swiftkv.py", "modeling_swiftkv.py")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # files of the source that are rewritten rather than copied
-_REWRITTEN = ("config.json", "model.safetensors.index.json", "provenance.json")
+_REWRITTEN = ("config.json", "model.safetensors.index.json", "provenance.json", CARD_FILE)
 # tensor names that only quantized checkpoints carry (FP8, GPTQ/AWQ, compressed-tensors)
 QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "qweight", "qzeros", "scales")
 _QUANTIZED_FIX = (
@@ -59,19 +60,6 @@ _QUANTIZED_FIX = (
 
 class ConversionError(ValueError):
     """A refused conversion; the message is one line naming the input and the fix."""
-
-
-def read_config(src: Path) -> dict:
-    """Load a checkpoint's config.json with one-line errors for a missing or unreadable file."""
-    if not src.is_dir():
-        raise ConversionError(f"source {src} is not a directory; pass a Hugging Face checkpoint folder")
-    path = src / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"source {src} has no config.json; pass a Hugging Face checkpoint folder")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"source {path} is corrupt ({e.msg} at line {e.lineno})") from None
 
 
 def resolve_num_key_value_layers(
@@ -172,25 +160,6 @@ def auto_map(swiftkv_model_type: str) -> dict[str, str]:
     }
 
 
-def _weight_files(src: Path) -> list[Path]:
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError):
-            raise ConversionError(f"{index} is corrupt; re-save the source with save_pretrained") from None
-        files = [src / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ConversionError(f"source {src} lacks shard(s) listed in its index: {', '.join(missing)}")
-        return files
-    if (src / "model.safetensors").is_file():
-        return [src / "model.safetensors"]
-    raise ConversionError(
-        f"source {src} has no safetensors weights; to resolve, re-save it with save_pretrained(safe_serialization=True)"
-    )
-
-
 def _source_shards(src: Path) -> list[tuple[Path, list[str]]]:
     """The source's weight files with their tensor names, read from the safetensors headers only.
 
@@ -198,7 +167,7 @@ def _source_shards(src: Path) -> list[tuple[Path, list[str]]]:
     float8 tensors.
     """
     shards = []
-    for path in _weight_files(src):
+    for path in weight_files(src):
         try:
             with safe_open(path, framework="pt") as f:
                 names = list(f.keys())
@@ -216,7 +185,7 @@ def _source_shards(src: Path) -> list[tuple[Path, list[str]]]:
     return shards
 
 
-def _load_shard(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _load_shard(path: Path, dtype: torch.dtype | None, bar: tqdm) -> dict[str, torch.Tensor]:
     """Every tensor of one shard, each cast as it is read (one uncast tensor at a time)."""
     try:
         with safe_open(path, framework="pt") as f:
@@ -224,6 +193,7 @@ def _load_shard(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor
             for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 t = f.get_tensor(k)
                 tensors[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                bar.update(1)
             return tensors
     except Exception as e:  # safetensors raises its own error types for truncated or garbled files
         raise ConversionError(
@@ -292,8 +262,10 @@ def _write_shards(
         for k in sources:
             users.setdefault(k, set()).add(name)
     todo, held, weight_map, total_size = dict(recipe), {}, {}, 0
+    bar = tqdm(total=sum(len(names) for _, names in shards), desc="convert", unit="tensor")
     for i, (path, _) in enumerate(shards, 1):
-        tensors = _load_shard(path, dtype)
+        bar.set_postfix_str(f"shard {i}/{len(shards)}")
+        tensors = _load_shard(path, dtype, bar)
         held.update((k, v) for k, v in tensors.items() if k in users)
         for name in [n for n, sources in todo.items() if all(k in held for k in sources)]:
             tensors[name] = combine([held[k] for k in todo.pop(name)])
@@ -303,6 +275,7 @@ def _write_shards(
         weight_map.update(dict.fromkeys(tensors, out))
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors  # before the next shard is read
+    bar.close()
     return weight_map, total_size
 
 
@@ -338,16 +311,35 @@ def save_pretrained_swiftkv(
     state_dict=None,
     force: bool = False,
     provenance: dict | None = None,
+    source: Path | None = None,
+    made_by: list[str] = (),
+    quality: list[str] = (),
 ) -> Path:
     """Save a SwiftKV model as a complete checkpoint folder (weights, config with ``auto_map``, remote code,
-    tokenizer, provenance), atomically."""
+    tokenizer, provenance), atomically.  With ``source`` (the folder the model was loaded from) it also
+    carries the source's licence files and writes a model card (``swiftkv.card``) with ``made_by`` and
+    ``quality``, and the provenance records the source's Hub id and revision when known."""
     model.config.auto_map = auto_map(model.config.model_type)
+    provenance = dict(provenance or {"stage": "save"})
+    if source is not None:
+        source_id, revision = source_identity(source)
+        provenance.update(source=str(Path(source).resolve()), source_id=source_id, source_revision=revision)
     with atomic_output_dir(dst, force=force) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_remote_code(tmp)
-        write_provenance(tmp, **(provenance or {"stage": "save"}))
+        if source is not None:
+            copy_licence_files(source, tmp)
+            write_card(
+                tmp,
+                source,
+                model.config.to_dict(),
+                list(made_by),
+                name=Path(dst).name,
+                quality=list(quality),
+            )
+        write_provenance(tmp, **provenance)
     return Path(dst)
 
 
@@ -409,10 +401,20 @@ def convert(
                 shutil.copyfile(extra, tmp / extra.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_remote_code(tmp)
+        source_id, revision = source_identity(src)
+        made_by = [
+            f"`swiftkv convert` with num_key_value_layers {l} of {num_layers}, key_value_group_size "
+            f"{group_size}, dtype {dtype}. The SwiftKV projections start as copies of the original's "
+            "(queries, the norm) and group means (keys, values): not distilled yet; distill it "
+            "(`python -m distill`) before serving it.",
+        ]
+        write_card(tmp, src, config, made_by, name=dst.name)
         write_provenance(
             tmp,
             "swiftkv convert",
             source=str(src.resolve()),
+            source_id=source_id,
+            source_revision=revision,
             source_model_type=base["model_type"],
             num_key_value_layers=l,
             key_value_group_size=group_size,

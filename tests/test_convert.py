@@ -12,12 +12,20 @@ import pytest
 import torch
 from conftest import tiny_base
 from safetensors.torch import load_file, save_file
+from tiny_chat import byte_tokenizer
 from transformers import AutoModelForCausalLM
 
 import swiftkv.convert  # registers the Auto classes too
 from swiftkv.cli import main as cli
 
 L = 6
+
+
+@pytest.fixture
+def tiny_llama_dir(tiny_llama_dir):
+    """conftest's tiny Llama with a tokenizer: the command line refuses a model folder without one."""
+    byte_tokenizer().save_pretrained(tiny_llama_dir)
+    return tiny_llama_dir
 
 
 def design_keys(l: int, g: int, bias: bool = False) -> set[str]:
@@ -169,7 +177,7 @@ def _unknown_arch(src: Path) -> None:
             None,
             "group size 2 does not divide the 3 SwiftKV layers",
         ),
-        (["--swiftkv-fraction", "0.5"], _unknown_arch, "unsupported architecture 'gpt2'"),
+        (["--swiftkv-fraction", "0.5"], _unknown_arch, "is a 'gpt2' checkpoint"),
         (["--swiftkv-fraction", "0.5"], _corrupt_weights, "is corrupt or truncated"),
         (
             ["--swiftkv-fraction", "0.5"],
@@ -298,6 +306,7 @@ def test_sliding_window_sources_are_refused(tmp_path, capsys, family, fields, de
         MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).save_pretrained(src)
     else:
         tiny_base(family).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
     if family == "qwen2" and "layer_types" not in fields:  # what transformers itself writes for these
         fields = {**fields, "layer_types": AutoConfig.for_model("qwen2", **TINY, **fields).layer_types}
     _edit_config(src, **fields)

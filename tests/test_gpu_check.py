@@ -51,7 +51,16 @@ def test_tiny_run_reports_every_check(tmp_path):
         "attention_parity",
         "static_compile_parity",
         "prefill",
+        "eval_quality",
     }
+    fp32, bf16 = report["eval_quality"]  # eval quality on the device (the CPU here) in both dtypes
+    assert (fp32["dtype"], bf16["dtype"], bf16["device"], bf16["status"]) == (
+        "float32",
+        "bfloat16",
+        "cpu",
+        "ok",
+    )
+    assert fp32["tokens"] == bf16["tokens"] > 0 and abs(bf16["kl"] - fp32["kl"]) <= 0.01
     assert "| 64 | swiftkv50 |" in result.stdout  # the table
     assert report["vllm"] == {"status": "skipped", "reason": "--tiny (CPU)", "ok": True}
 

@@ -1,25 +1,93 @@
-"""The main job's quick mode end to end (so CI catches a missing install step), then a rerun that skips;
-and the README's wrapper ``scripts/demo.py`` is the same command."""
+"""The main job's quick mode end to end from a non-editable install (the wheel in a fresh venv, run from an
+unrelated folder, so CI catches a missing install step or package data), then a rerun from the checkout that
+skips every stage; the README's wrapper ``scripts/demo.py`` is the same command.  And the job on a model of
+the user's own, named by its Hub id (found offline in a local cache), distilled under ``accelerate launch``
+and evaluated in bfloat16."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+from hub_cache import add_to_cache
+from huggingface_hub import ModelCard
+from tiny_chat import save_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# what `pip install .` needs from the checkout (the tests, docs and scripts are not part of the package)
+NOT_PACKAGED = (
+    ".git",
+    "out",
+    ".venv*",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    ".*cache",
+    "tests",
+    "docs",
+    "scripts",
+)
+
+
+def installed_python(tmp_path: Path) -> Path:
+    """The python of a fresh venv holding the package as `pip install .` leaves it (a wheel, no editable
+    link to the checkout); its dependencies come from this test environment's site-packages (a .pth line)."""
+    src, dist, venv = tmp_path / "src", tmp_path / "dist", tmp_path / "venv"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(*NOT_PACKAGED))
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        str(src),
+        "-w",
+        str(dist),
+    ]
+    subprocess.run(build, check=True, capture_output=True, cwd=tmp_path, timeout=300)
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(site, "test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (wheel,) = dist.glob("*.whl")
+    install = [python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    return python
 
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-def test_quick_job_end_to_end_and_resume(smollm2, tmp_path):
-    cmd = [sys.executable, "-m", "eval", "run", "--quick", "--out", str(tmp_path / "run")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smollm2, tmp_path):
+    python = installed_python(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run(
+        [python, "-c", "import eval.job as j; print(j.__file__, j.RECIPES)"],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+    )
+    module, recipes = where.stdout.split()
+    assert module.startswith(str(tmp_path / "venv")) and Path(recipes, "swiftkv_smollm2_cpu.yaml").is_file()
+
+    cmd = ["-m", "eval", "run", "--quick", "--out", str(tmp_path / "run")]
+    first = subprocess.run(
+        [python, *cmd], capture_output=True, text=True, cwd=elsewhere, env=ENV, timeout=1200
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     report = tmp_path / "run" / "report.md"
     assert str(report) in first.stdout
@@ -33,8 +101,48 @@ def test_quick_job_end_to_end_and_resume(smollm2, tmp_path):
     assert curve[-1]["eval_kl"] == run["variants"][1]["distill"]["eval_kl"]
     assert "| swiftkv50 (this job) | 4 | 1,024 |" in report.read_text()
     assert (tmp_path / "run" / "quality_vs_tokens.png").stat().st_size > 1000
-    wrapper = [sys.executable, "scripts/demo.py", *cmd[4:]]
-    second = subprocess.run(wrapper, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    wrapper = [sys.executable, "scripts/demo.py", *cmd[3:]]
+    checkout = {**ENV, "PYTHONPATH": str(ROOT)}  # this checkout's code (a script's own folder is on sys.path)
+    second = subprocess.run(wrapper, capture_output=True, text=True, cwd=ROOT, env=checkout, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[distill-swiftkv50] up to date, skipped" in second.stdout
     assert "running" not in second.stdout
+
+
+@pytest.mark.smollm2  # the job's held-out data is the embedded ShareGPT
+@pytest.mark.slow
+def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
+    home = tmp_path / "hf"
+    commit = add_to_cache(home / "hub", "acme/tiny-chat", save_chat_model(tmp_path / "upload"))
+    out, launch = tmp_path / "run", tmp_path / "one_process.yaml"
+    launch.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
+    )
+    cmd = ["-m", "eval", "run", "acme/tiny-chat", "--quick", "--dtype", "bfloat16", "--launch", str(launch)]
+    cmd += ["--out", str(out)]
+    env = {**ENV, "HF_HOME": str(home)}
+    result = subprocess.run(
+        [sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert (run["meta"]["model"], run["meta"]["device"], run["meta"]["dtype"]) == (
+        "acme/tiny-chat",
+        "cpu",
+        "bfloat16",
+    )
+    original, swift = run["variants"]
+    assert original["dir"].endswith(f"models--acme--tiny-chat/snapshots/{commit}")
+    assert swift["quality"]["dtype"] == "bfloat16" and swift["quality"]["kl"] > 0
+    assert run["commands"][0].endswith(f"acme/tiny-chat --dtype bfloat16 --launch {launch} --quick")
+    assert run["commands"][1].startswith(
+        f"python -m accelerate.commands.launch --config_file {launch} -m distill "
+    )
+    assert (
+        swift["distill"]["eval_kl"] > 0 and len(swift["distill"]["curve"]) == 2
+    )  # read back from the launch
+    assert "# SwiftKV report: acme/tiny-chat" in (out / "report.md").read_text()
+    card = ModelCard.load(Path(swift["dir"]) / "README.md")  # the job's measured quality, in the card
+    assert card.data.base_model == "acme/tiny-chat"
+    assert "`python -m eval run` (bfloat16 on cpu)" in card.text
+    assert f"| kl | {swift['quality']['kl']:.4g} |" in card.text
