@@ -386,7 +386,9 @@ def print_report(report: dict) -> None:
             f"| static+compile ({r['compile_backend']}) | {r['model']} | dynamic | {r['status']} | {detail} |"
         )
     for r in report["eval_quality"]:
-        detail = r.get("error") or f"{r['dtype']}: KL {r['kl']:.4f}, top-1 {r['top1_agreement']:.3f}"
+        detail = r.get("error") or (
+            f"{r['dtype']}: KL {r['kl']:.4f}, top-1 {r['top1_agreement']:.3f}" if "kl" in r else ""
+        )
         print(
             f"| eval quality ({r.get('device', '-')}) | tiny SwiftKV | float32 | {r['status']} | {detail} |"
         )

@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 from test_distill_train import PY, launch, losses, run, tree, write_recipe
+from tiny_chat import save_chat_model
 
 from distill.elastic import ResumeError, elastic_checkpoint, world_state
 from distill.recipe import load_recipe
 from distill.train import fingerprint, resume_point
 
 
-def recipe_file(tmp_path: Path, *overrides: str, **train) -> Path:
+def recipe_file(tmp_path: Path, *overrides: str, source: Path | None = None, **train) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(
         json.dumps(
             {
                 "output_dir": str(tmp_path / "out"),
-                "model": {"source": str(tmp_path / "missing")},
+                "model": {"source": str(source or tmp_path / "missing")},
                 "data": {"sources": [{"path": "d"}]},
                 "train": {"micro_batch_size": 2, **train},
             }
@@ -109,9 +110,9 @@ def test_a_checkpoint_of_the_older_format_is_refused_in_one_line(tmp_path):
 
 
 def test_another_zero_stage_is_refused_by_name_before_any_work(tmp_path):
-    """A ZeRO-2 checkpoint relaunched without DeepSpeed: one line, exit 2, nothing written (the model source
+    """A ZeRO-2 checkpoint relaunched without DeepSpeed: one line, exit 2, nothing written (the data source
     does not even exist: the check comes before conversion, data and model)."""
-    path = recipe_file(tmp_path)
+    path = recipe_file(tmp_path, source=save_chat_model(tmp_path / "model"))
     out = fake_checkpoint(path, 2, 1, stage=2).parents[1]
     before = tree(out)
     result = run([PY, "-m", "distill", str(path)], expect=2)

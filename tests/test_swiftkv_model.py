@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import tiny_base
+from tiny_chat import byte_tokenizer
 from transformers import AutoModelForCausalLM
 
 from swiftkv import (
@@ -241,6 +242,7 @@ def test_qwen3_converts_and_loads_with_and_without_the_package(tmp_path):
     src, dst = tmp_path / "qwen3", tmp_path / "swift"
     base = tiny_base("qwen3")
     base.save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)  # convert refuses a checkpoint without its tokenizer
     assert cli(["convert", str(src), str(dst), "--num-key-value-layers", "3", "--group-size", "3"]) == 0
     config = json.loads((dst / "config.json").read_text())
     assert config["model_type"] == "qwen3_swiftkv" and config["architectures"] == ["Qwen3SwiftKVForCausalLM"]
