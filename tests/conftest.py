@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -31,6 +33,14 @@ TINY = dict(
     eos_token_id=1,
     bos_token_id=2,
 )
+
+
+@pytest.fixture(autouse=True)
+def seeded_rngs() -> None:
+    """Every test starts from the same random state (Python, NumPy, torch), whichever tests ran before it."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):

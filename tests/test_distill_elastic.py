@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_distill_train import PY, launch, losses, run, tree, write_recipe
+from test_distill_train import PY, launched, losses, run, tree, write_recipe
 
 from distill.elastic import ResumeError, elastic_checkpoint, world_state
 from distill.recipe import load_recipe
@@ -144,9 +144,7 @@ def start_from(reference: Path, step: int, out: Path) -> None:
     shutil.copytree(reference / "converted", out / "converted")
 
 
-def resume_matches(cmd: list[str], out: Path, reference: Path, step: int, before: tuple[int, int]) -> None:
-    result = run(cmd)
-    text = result.stdout + result.stderr
+def resume_matches(text: str, out: Path, reference: Path, step: int, before: tuple[int, int]) -> None:
     ckpt = out / "checkpoints" / f"step_{step}"
     m, b = before
     assert f"converted checkpoint {ckpt} from {m} to " in text and f"(grad_accum {b} -> " in text, text[
@@ -174,22 +172,16 @@ def test_one_to_two_to_one_process_matches_a_run_that_never_changed_size(
     settings = dict(every=2, grad_accum=2)
     keep = "checkpoint.keep=3"
 
-    def on(processes: int, recipe: Path) -> list[str]:
-        if backend == "plain":
-            if processes == 1:
-                return [PY, "-m", "distill", str(recipe), keep]
-            return [
-                PY,
-                *"-m torch.distributed.run --standalone --nproc_per_node 2 -m distill".split(),
-                str(recipe),
-                keep,
-            ]
-        cmd = launch(backend, recipe, keep)
-        cmd[5:5] = ["--num_processes", str(processes)]
-        return cmd
+    def on(processes: int, recipe: Path) -> str:
+        """Run the recipe to its end on ``processes`` ranks; its output."""
+        if backend == "plain" and processes == 1:
+            result = run([PY, "-m", "distill", str(recipe), keep])
+            return result.stdout + result.stderr
+        config = None if backend == "plain" else backend
+        return launched(tmp_path, config, recipe, keep, processes=processes).output()
 
     reference = tmp_path / "reference"
-    run(on(1, write_recipe(tmp_path, tiny_chat_model, chat_data, reference, **settings)))
+    on(1, write_recipe(tmp_path, tiny_chat_model, chat_data, reference, **settings))
     assert len(losses(reference)) == 6
 
     two = tmp_path / "two"

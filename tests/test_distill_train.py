@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import signal
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_base
+from fault_points import PY, ROOT, Job, env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,9 +20,6 @@ from distill.objective import DistillationObjective
 from distill.recipe import Recipe, RecipeError, load_recipe
 from distill.train import fingerprint, select_trainable
 from swiftkv.convert import to_swiftkv
-
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
 
 
 def write_recipe(
@@ -51,76 +43,18 @@ def write_recipe(
     return path
 
 
-def env(extra: dict | None = None) -> dict:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        **(extra or {}),
-    }
-
-
 def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
+    """One process (its stdout and stderr read together: no pipe can fill while another is waited for)."""
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=900)
     assert result.returncode == expect, result.stderr[-3000:]
     return result
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def kill_when(cmd: list[str], ready, timeout: float = 900) -> None:
-    """Start ``cmd`` and, once ``ready()``, SIGKILL the process group of it and of every process below it (the
-    launcher's workers run in sessions of their own), i.e. every rank at once."""
-    with tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ready():
-                if proc.poll() is not None:
-                    stderr.seek(0)
-                    pytest.fail(f"exited ({proc.returncode}) before the kill: {stderr.read()[-3000:]}")
-                assert time.monotonic() < deadline, "timed out waiting for the kill point"
-                time.sleep(0.002)
-        finally:
-            groups = set()
-            for pid in process_tree(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    groups.add(os.getpgid(pid))
-            for group in groups - {os.getpgid(0)}:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
-            proc.wait()
-
-
-def logged_step(out: Path, step: int):
-    """ready() once ``step``'s record is in the log."""
-
-    def ready() -> bool:
-        path = out / "log.jsonl"
-        return path.exists() and f'"step": {step}, "lr"' in path.read_text()
-
-    return ready
-
-
-def checkpoint_being_written(out: Path, step: int):
-    """ready() once the temp folder of ``step``'s checkpoint exists (its save has started)."""
-    return lambda: (out / "checkpoints" / f".step_{step}.tmp").is_dir()
+def killed_at(tmp_path: Path, at: str, *target: str, **launch) -> None:
+    """Run ``python -m distill`` (or ``target`` on ``launch``'s processes) until every rank is at ``at``,
+    then SIGKILL all of them (tests/fault_points.py)."""
+    with Job(tmp_path / "launches", target or ("-m", "distill"), at=at, **launch) as job:
+        job.kill_at_point()
 
 
 def complete_checkpoints(out: Path) -> list[str]:
@@ -187,8 +121,8 @@ def assert_resumes_as_uninterrupted(recipe: Path, out: Path, reference: dict[int
 @pytest.mark.smollm2
 @pytest.mark.slow
 def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path):
-    """SIGKILL from outside after step 3, and once while step 4's checkpoint is being written (resume from
-    step 2, skipping the partial folder); both resume to the uninterrupted run's losses."""
+    """SIGKILL after step 3 (before step 4's scheduler step), and once inside step 4's checkpoint write (resume
+    from step 2, skipping the partial folder); both resume to the uninterrupted run's losses."""
     full = write_recipe(tmp_path, tiny_chat_model, chat_data, tmp_path / "full", every=2)
     run([PY, "-m", "distill", str(full)])
     reference = losses(tmp_path / "full")
@@ -198,12 +132,12 @@ def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path
 
     out = tmp_path / "mid-epoch"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=2)
-    kill_when([PY, "-m", "distill", str(recipe)], logged_step(out, 3))
+    killed_at(tmp_path, "step:4", "-m", "distill", recipe)
     assert_resumes_as_uninterrupted(recipe, out, reference)
 
     out = tmp_path / "mid-checkpoint"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=2)
-    kill_when([PY, "-m", "distill", str(recipe)], checkpoint_being_written(out, 4))
+    killed_at(tmp_path, "checkpoint:4", "-m", "distill", recipe)
     assert complete_checkpoints(out) == ["step_2"] and (out / "checkpoints" / ".step_4.tmp").is_dir()
     assert_resumes_as_uninterrupted(recipe, out, reference)
 
@@ -212,18 +146,14 @@ def test_single_process_run_kill_and_resume(tiny_chat_model, chat_data, tmp_path
     assert "was written by a different recipe (differs in: data)" in result.stderr
 
 
-def launch(config: str, recipe: Path, *overrides: str, script: str = "-m distill") -> list[str]:
-    """accelerate launch on 2 CPU processes with one of the shipped CPU configs."""
-    return [
-        PY,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        f"recipes/accelerate/{config}.yaml",
-        *script.split(),
-        str(recipe),
-        *overrides,
-    ]
+def launched(
+    tmp_path: Path, config: str | None, recipe: Path, *overrides: str, processes: int = 2, **kw
+) -> Job:
+    """``python -m distill RECIPE OVERRIDES`` run to the end on ``processes`` ranks: accelerate launch with one
+    of the shipped CPU configs, or torch.distributed.run (DDP) without one; the finished Job, for its output."""
+    target = kw.pop("target", ("-m", "distill"))
+    with Job(tmp_path / "launches", (*target, recipe, *overrides), processes, config, **kw) as job:
+        return job.finish()
 
 
 def tree(path: Path) -> dict[str, int]:
@@ -238,10 +168,11 @@ def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
     held-out metrics in the run equal a single process's on the exported weights; SIGKILL of all ranks while
     a checkpoint is being written resumes to the same losses; resuming without DeepSpeed is refused."""
     settings = dict(init="lstsq", every=2, grad_accum=4, gradient_checkpointing=True)
-    script = "tests/distill_zero3_run.py"
     out = tmp_path / "zero3"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, **settings)
-    run(launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2", script=script))
+    launched(
+        tmp_path, "cpu_2proc_zero3", recipe, "log.eval_every_steps=2", target=["tests/distill_zero3_run.py"]
+    )
     partitioning = json.loads((out / "partitioning.json").read_text())
     assert partitioning["parameters"] > 50 and partitioning["not_partitioned"] == []
     reference = losses(out)
@@ -263,12 +194,11 @@ def test_two_process_zero3_partitioned(tiny_chat_model, chat_data, tmp_path):
 
     killed = tmp_path / "zero3-killed"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, killed, **settings)
-    kill_when(
-        launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2"), checkpoint_being_written(killed, 4)
-    )
-    assert complete_checkpoints(killed) == ["step_2"]
-    result = run(launch("cpu_2proc_zero3", recipe, "log.eval_every_steps=2"))
-    assert f"resumed from {killed / 'checkpoints' / 'step_2'} at step 2" in result.stdout + result.stderr
+    launch = dict(processes=2, config="cpu_2proc_zero3")
+    killed_at(tmp_path, "checkpoint:4", "-m", "distill", recipe, "log.eval_every_steps=2", **launch)
+    assert complete_checkpoints(killed) == ["step_2"] and (killed / "checkpoints" / ".step_4.tmp").is_dir()
+    job = launched(tmp_path, "cpu_2proc_zero3", recipe, "log.eval_every_steps=2")
+    assert f"resumed from {killed / 'checkpoints' / 'step_2'} at step 2" in job.output()
     resumed = losses(killed)
     for step in (3, 4, 5, 6):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
@@ -290,7 +220,7 @@ def test_two_process_zero2_lora_bf16(tiny_chat_model, chat_data, tmp_path):
         grad_accum=4,
         gradient_checkpointing=True,
     )
-    run(launch("cpu_2proc_zero2", recipe, "optim.lr=1e-2"))
+    launched(tmp_path, "cpu_2proc_zero2", recipe, "optim.lr=1e-2")
     assert len(losses(out)) == 6 and held_out_kl_falls(out)
     exported = load_file(out / "model" / "model.safetensors")
     assert not any("lora" in k for k in exported)
@@ -311,20 +241,7 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
         "optim.type=adarevision",
         "optim.lr=0.05",
     ]
-    run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "distill",
-            str(recipe),
-            *overrides,
-        ]
-    )
+    launched(tmp_path, None, recipe, *overrides)
     logged = [r for r in records(out) if "comm_byte_ratio" in r]
     assert len(logged) == 6 and all(r["comm_byte_ratio"] < 0.2 for r in logged)
     assert (out / "model" / "model.safetensors").is_file()
@@ -336,7 +253,7 @@ def test_running_checkpoint_in_the_loop(tiny_chat_model, chat_data, tmp_path):
     out = tmp_path / "scar"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
     scar = ["checkpoint.scar={fraction: 0.5, every_steps: 2, select: max-change}", "log.eval_every_steps=1"]
-    kill_when([PY, "-m", "distill", str(recipe), *scar], logged_step(out, 5))
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe, *scar)
     manifests = list((out / "scar").rglob("manifest.json"))
     assert manifests, "no running checkpoint written"
     result = run([PY, "-m", "distill", str(recipe), *scar])

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from test_distill_train import PY, ROOT, env, kill_when, launch, logged_step, losses, run, write_recipe
+from fault_points import Job
+from test_distill_train import PY, killed_at, launched, losses, run, write_recipe
 
 from distill.scar.faults import truncate_file
 
@@ -17,7 +16,8 @@ SCHEDULE = "optim.schedule=linear"  # the resumed learning rate must be the step
 
 
 def resumed_step(result) -> int:
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if "resumed" in line]
+    text = result if isinstance(result, str) else result.stdout + result.stderr
+    lines = [line for line in text.splitlines() if "resumed" in line]
     return int(lines[-1].rsplit("at step ", 1)[1].split()[0])
 
 
@@ -28,7 +28,7 @@ def manifests(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_resume_continues_from_the_running_checkpoint_step(tiny_chat_model, chat_data, tmp_path):
-    """A running checkpoint of every block each step: after SIGKILL at step 5 (no full checkpoint yet) the
+    """A running checkpoint of every block each step: after SIGKILL after step 5 (no full checkpoint yet) the
     run resumes at the running save's step and continues with the uninterrupted run's losses (data order,
     learning rate and Adam's step counters of that step); with a full checkpoint at step 3, a corrupt block
     file falls back to it with one warning line."""
@@ -38,9 +38,9 @@ def test_resume_continues_from_the_running_checkpoint_step(tiny_chat_model, chat
 
     out = tmp_path / "killed"  # no full checkpoint before the kill: the running checkpoint alone resumes
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=10)
-    kill_when([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE], logged_step(out, 5))
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe, SCAR, SCHEDULE)
     saved = manifests(out)[0]["step"]
-    assert saved >= 4
+    assert saved == 5
     result = run([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE])
     assert resumed_step(result) == saved
     resumed = losses(out)
@@ -50,7 +50,7 @@ def test_resume_continues_from_the_running_checkpoint_step(tiny_chat_model, chat
 
     out = tmp_path / "corrupt"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    kill_when([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE], logged_step(out, 5))
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe, SCAR, SCHEDULE)
     manifest = manifests(out)[0]
     bad = sorted(manifest["blocks"])[0]
     truncate_file(out / "scar" / "rank_00000" / manifest["blocks"][bad]["file"])
@@ -68,7 +68,7 @@ def test_switching_scar_on_or_changing_its_blocks_on_resume(tiny_chat_model, cha
     settings than the running checkpoint's are refused with one line (exit 2) before any training."""
     out = tmp_path / "late"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    kill_when([PY, "-m", "distill", str(recipe)], logged_step(out, 5))
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe)
     result = run([PY, "-m", "distill", str(recipe), SCAR, "train.max_steps=6"])
     assert resumed_step(result) == 3 and manifests(out)[0]["step"] == 6
 
@@ -88,21 +88,19 @@ def test_two_process_zero1_bf16_resume_and_a_failing_rank(tiny_chat_model, chat_
     resumes at the running checkpoint's step and finishes."""
     out = tmp_path / "zero1"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, mixed_precision="bf16")
-    cmd = launch("cpu_2proc_zero1", recipe, SCAR, SCHEDULE)
-    kill_when(cmd, logged_step(out, 5))
-    saved = min(m["step"] for m in manifests(out))
-    assert saved >= 4 and len(manifests(out)) == 2
+    target = ("-m", "distill", recipe, SCAR, SCHEDULE)
+    killed_at(tmp_path, "step:6", *target, processes=2, config="cpu_2proc_zero1")
+    assert [m["step"] for m in manifests(out)] == [5, 5]
     manifest = out / "scar" / "rank_00001" / "manifest.json"
     good = manifest.read_bytes()
     manifest.write_bytes(good[: len(good) // 2])  # a torn write of rank 1's manifest
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
-    # both ranks print the line at once, so their writes may share one line of the combined stderr
-    errors = re.findall(
-        r"error: running checkpoint not resumable \(rank \d+: .*?\)+(?=error:|\n|$)", result.stderr
-    )
-    assert result.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]
-    assert "rank 1" in errors[0] and not (out / "model").exists()
+    with Job(tmp_path / "launches", target, 2, "cpu_2proc_zero1") as job:
+        job.finish(expect=1)
+        errors = [[x for x in job.output(r, "err").splitlines() if x.startswith("error:")] for r in (0, 1)]
+    assert len(errors[0]) == 1 and errors[0] == errors[1], errors  # each rank's own stderr file
+    assert errors[0][0].startswith("error: running checkpoint not resumable (rank 1: ")
+    assert not (out / "model").exists()
     manifest.write_bytes(good)
-    result = run(cmd)
-    assert resumed_step(result) == saved
+    job = launched(tmp_path, "cpu_2proc_zero1", *target[2:])
+    assert resumed_step(job.output()) == 5
     assert (out / "model" / "model.safetensors").is_file()
