@@ -122,17 +122,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             )
 
 
-CONVERSATIONS = [
-    {
-        "conversations": [
-            {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
-            {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
-            {"from": "human", "value": "Thanks! And times two?"},
-            {"from": "gpt", "value": f"That would be {4 * i}."},
-        ]
-    }
-    for i in range(40)
-]
+def conversations(n: int) -> list[dict]:
+    """``n`` short ShareGPT-format chats (two turns each) that differ by their numbers."""
+    return [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                {"from": "gpt", "value": f"The answer is {2 * i}. " * (1 + i % 3)},
+                {"from": "human", "value": "Thanks! And times two?"},
+                {"from": "gpt", "value": f"That would be {4 * i}."},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+CONVERSATIONS = conversations(40)
 
 
 @pytest.fixture(scope="session")

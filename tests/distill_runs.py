@@ -139,12 +139,14 @@ def start_from(reference: Path, step: int, out: Path) -> None:
     shutil.copytree(reference / "converted", out / "converted")
 
 
-def check_export(recipe_path: Path, model_dir: Path, out: Path) -> None:
-    """Only SwiftKV weights changed; the exported model reproduces the in-memory held-out metrics."""
+def check_export(recipe_path: Path, model_dir: Path, out: Path, every_one: bool = True) -> None:
+    """Only SwiftKV weights changed (``every_one``: all of them, else some); the exported model reproduces
+    the in-memory held-out metrics."""
     exported = load_file(out / "model" / "model.safetensors")
     start = to_swiftkv(AutoModelForCausalLM.from_pretrained(model_dir), 3, 1).state_dict()
     trainable = {k for k in exported if "swiftkv" in k}
-    assert trainable and all(not torch.equal(exported[k], start[k]) for k in trainable)
+    changed = [not torch.equal(exported[k], start[k]) for k in trainable]
+    assert trainable and (all(changed) if every_one else any(changed))
     for k, v in exported.items():
         if k not in trainable:
             assert torch.equal(v, start[k]), f"{k} changed"

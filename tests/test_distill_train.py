@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_base
+from conftest import conversations, tiny_base
 from distill_runs import (
     REFERENCE,
     check_export,
@@ -105,7 +105,7 @@ def resume_matches(text: str, out: Path, reference: Path, step: int, before: tup
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-def test_two_process_zero3_partitioned_elastic_kill_and_resume(tiny_chat_model, chat_data, tmp_path, capsys):
+def test_two_process_zero3_partitioned_elastic_kill_and_resume(tiny_chat_model, tmp_path, capsys):
     """Every parameter a ZeRO-3 partition from load on (zero3_init_flag, persistence threshold 0), with the
     least-squares init fitted layer by layer on those partitions, grad_accum 4 and gradient checkpointing:
     held-out metrics in the run equal a single process's on the exported weights; resuming without DeepSpeed
@@ -115,6 +115,10 @@ def test_two_process_zero3_partitioned_elastic_kill_and_resume(tiny_chat_model, 
     world size): every loss and the final held-out KL equal the reference's."""
     settings = dict(init="lstsq", every=2, keep=3, grad_accum=4, gradient_checkpointing=True)
     zero3 = dict(processes=2, config="cpu_2proc_zero3")
+    # 108 training rows (54 micro-batches): the 6 steps of 8 micro-batches stay inside one epoch, so no step
+    # is cut short at an epoch's end
+    chat_data = tmp_path / "chats.jsonl"
+    chat_data.write_text("".join(json.dumps(c) + "\n" for c in conversations(120)))
     out = tmp_path / "zero3"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, **settings)
     launched(
@@ -192,8 +196,8 @@ def test_two_process_zero2_lora_bf16(tiny_chat_model, chat_data, tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_model, chat_data, tmp_path):
     """A managed comm hook (10% of the blocks) with AdaRevision on 2 DDP processes: the logged bytes stay under
-    the budget's share, and the export (one replica) holds changed SwiftKV weights only and reproduces the
-    run's held-out metrics."""
+    the budget's share, and the export (one replica) changed SwiftKV weights only (not all of them: in 6
+    steps some blocks never go out) and reproduces the run's held-out metrics."""
     out = tmp_path / "ddp"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
     overrides = [
@@ -206,7 +210,7 @@ def test_two_process_ddp_with_managed_communication_and_adarevision(tiny_chat_mo
     launched(tmp_path, None, recipe, *overrides)
     logged = [r for r in records(out) if "comm_byte_ratio" in r]
     assert len(logged) == 6 and all(r["comm_byte_ratio"] < 0.2 for r in logged)
-    check_export(recipe, tiny_chat_model, out)
+    check_export(recipe, tiny_chat_model, out, every_one=False)
 
 
 @pytest.mark.parametrize("trainable", ["swiftkv", "lora"])
