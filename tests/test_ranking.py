@@ -297,8 +297,17 @@ def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, c
 def test_smollm2_head_features_at_the_swiftkv_layer(smollm2):
     feats = HiddenStateFeatures(smollm2, layer=15, max_prompt_tokens=64)
     assert feats.model.config.num_hidden_layers == 16
-    x = feats(["Write a haiku.", "Explain quicksort in detail with code."])
-    assert x.shape == (2, 2 * 576) and torch.isfinite(x).all()
+    prompts = ["Write a haiku.", "Explain quicksort in detail with code."]
+    x = feats(prompts)  # one left-padded batch
+    assert x.shape == (2, 2 * 576)
+    for row, prompt in zip(x, prompts, strict=True):  # each prompt alone, unpadded, pooled here
+        text = feats.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = feats.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[:, -64:]
+        with torch.no_grad():
+            hidden = feats.model(ids, output_hidden_states=True).hidden_states[15][0]
+        torch.testing.assert_close(row, torch.cat([hidden[1:].mean(0), hidden[-1]]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # a subprocess that trains a head: ~15 s of CPU, longer on a shared machine

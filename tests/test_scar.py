@@ -370,7 +370,6 @@ print("ok")
 
 @pytest.mark.slow
 def test_zero_partitions_recover_into_the_model_under_deepspeed(tmp_path):
-    pytest.importorskip("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     init = f"file://{tmp_path}/rendezvous"
     proc = subprocess.run(

@@ -66,7 +66,6 @@ for stage, bf16 in ((1, True), (2, True), (3, True), (1, False)):
 
 @pytest.mark.slow
 def test_zero_stages_and_bf16_partitions_recover_on_two_processes(tmp_path):
-    pytest.importorskip("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     init = f"file://{tmp_path}/rendezvous"  # no port to find or to lose
     procs = []
