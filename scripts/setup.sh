@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# torch.compile on CPU (inductor; the tests compile flex_attention and a static-cache decode) builds its kernels
+# with the C++ compiler in $CXX (default g++): without one the suite would fail only after half an hour
+CXX_BIN=${CXX:-g++}
+if ! printf '#include <cmath>\nint main() { return std::isnan(0.0); }\n' | "$CXX_BIN" -x c++ -c -o /dev/null - 2>/dev/null; then
+  echo "error: no working C++ compiler '$CXX_BIN' for torch's inductor (to resolve, install one, e.g. sudo apt-get install g++, or set CXX)" >&2
+  exit 2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip

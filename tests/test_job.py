@@ -93,12 +93,14 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
     assert str(report) in first.stdout
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert [v["name"] for v in run["variants"]] == ["original", "swiftkv50"]
-    assert run["variants"][1]["quality"]["kl"] > 0 and run["variants"][1]["distill"]["eval_kl"] > 0
+    original, swift = run["variants"]
+    assert original["quality"]["kl"] == 0 and original["quality"]["top1_agreement"] == 1  # teacher = itself
+    assert swift["quality"]["kl"] > 0 and swift["distill"]["eval_kl"] > 0
     assert "swiftkv50" in report.read_text()
     # the quick recipe evaluates at steps 0 and 4 (the final one): the distillation's curve reaches the report
-    curve = run["variants"][1]["distill"]["curve"]
+    curve = swift["distill"]["curve"]
     assert [(r["step"], r["train_tokens"]) for r in curve] == [(0, 0), (4, 4 * 2 * 128)]
-    assert curve[-1]["eval_kl"] == run["variants"][1]["distill"]["eval_kl"]
+    assert curve[-1]["eval_kl"] == swift["distill"]["eval_kl"] < curve[0]["eval_kl"]
     assert "| swiftkv50 (this job) | 4 | 1,024 |" in report.read_text()
     assert (tmp_path / "run" / "quality_vs_tokens.png").stat().st_size > 1000
     wrapper = [sys.executable, "scripts/demo.py", *cmd[3:]]

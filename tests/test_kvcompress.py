@@ -235,12 +235,20 @@ def test_identity_factors_make_a_per_token_quantizer(model_and_factors):
     cache = TaleCache(
         identity_factors(model.config), uniform_policy(HEAD_DIM, 8, window=2, block=1), model.config, model
     )
+    ids = torch.randint(0, 96, (1, 30))
+    exact = DynamicCache(config=model.config)  # the same tokens, nothing compressed
     with torch.no_grad():
-        model(torch.randint(0, 96, (1, 30)), cache=cache)
+        model(ids, cache=cache)
+        model(ids, cache=exact)
     layer = cache.layers[0]
-    keys, _ = layer.reconstruct()
-    assert layer.n_compressed > 20
-    assert torch.isfinite(keys).all()
+    s, c = layer.n_sinks, layer.n_compressed
+    assert c > 20
+    for got, want in zip(layer.reconstruct(), (exact.layers[0].keys, exact.layers[0].values), strict=True):
+        assert torch.equal(got[..., :s, :], want[..., :s, :]) and torch.equal(
+            got[..., s + c :, :], want[..., s + c :, :]
+        )
+        torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=0)  # 8 bits per token
+        assert not torch.equal(got[..., s : s + c, :], want[..., s : s + c, :])  # really quantized
 
 
 def test_errors_name_the_problem(model_and_factors):

@@ -3,10 +3,8 @@
 import itertools
 import json
 import math
-import os
+import runpy
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -297,24 +295,33 @@ def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, c
 def test_smollm2_head_features_at_the_swiftkv_layer(smollm2):
     feats = HiddenStateFeatures(smollm2, layer=15, max_prompt_tokens=64)
     assert feats.model.config.num_hidden_layers == 16
-    x = feats(["Write a haiku.", "Explain quicksort in detail with code."])
-    assert x.shape == (2, 2 * 576) and torch.isfinite(x).all()
+    prompts = ["Write a haiku.", "Explain quicksort in detail with code."]
+    x = feats(prompts)  # one left-padded batch
+    assert x.shape == (2, 2 * 576)
+    for row, prompt in zip(x, prompts, strict=True):  # each prompt alone, unpadded, pooled here
+        text = feats.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = feats.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[:, -64:]
+        with torch.no_grad():
+            hidden = feats.model(ids, output_hidden_states=True).hidden_states[15][0]
+        torch.testing.assert_close(row, torch.cat([hidden[1:].mean(0), hidden[-1]]), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow  # a subprocess that trains a head: ~15 s of CPU, longer on a shared machine
-def test_bench_ranking_runs_both_kv_settings_on_a_tiny_case(synthetic_traces, tmp_path):
-    root = Path(__file__).resolve().parents[1]
+@pytest.mark.slow  # trains a head: ~15 s of CPU
+def test_bench_ranking_runs_both_kv_settings_on_a_tiny_case(synthetic_traces, tmp_path, capsys):
+    """scripts/bench_ranking.py through its main(argv) in this process (test_cli starts scripts as commands)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_ranking.py"
+    bench = runpy.run_path(str(script), run_name="script_under_test")["main"]
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(root / "scripts" / "bench_ranking.py"), str(synthetic_traces),
-           "--work", str(tmp_path / "work"), "--seeds", "1", "--small-lm-seeds", "0", "--head-epochs", "2",
-           "--list-size", "8", "--max-prompt-tokens", "32", "--loads", "1.5", "--requests", "40",
-           "--sim-seeds", "1", "--kv-capacity", "400", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    argv = [str(synthetic_traces),
+            "--work", str(tmp_path / "work"), "--seeds", "1", "--small-lm-seeds", "0", "--head-epochs", "2",
+            "--list-size", "8", "--max-prompt-tokens", "32", "--loads", "1.5", "--requests", "40",
+            "--sim-seeds", "1", "--kv-capacity", "400", "--out", str(out)]  # fmt: skip
+    assert bench(argv) == 0
+    table = capsys.readouterr().out
     rows = json.loads(out.read_text())["latency"]
     assert {(r["kv"], r["policy"]) for r in rows} == {
         (kv, p) for kv in ("free", "kv 400") for p in ("fcfs", "swiftkv-head listmle", "oracle")
     }
-    assert "kv 400 | 1.5 |" in run.stdout and "free | 1.5 |" in run.stdout
+    assert "kv 400 | 1.5 |" in table and "free | 1.5 |" in table
