@@ -67,8 +67,9 @@ def _local_path(source: DataSource) -> Path | None:
 
 
 def check_source(source: DataSource) -> None:
-    """The checks that need no data: a gated dataset needs a token, a local file must exist."""
-    if source.gated:
+    """The checks that need no data: a local file must exist; a gated hub dataset needs a token (a local copy of
+    a gated source, its ``path`` overridden with a file, needs none)."""
+    if _local_path(source) is None and source.gated:
         import huggingface_hub
 
         if huggingface_hub.get_token() is None:
@@ -77,7 +78,6 @@ def check_source(source: DataSource) -> None:
                 f"(to resolve, accept its terms at https://huggingface.co/datasets/{source.path} and run "
                 "`hf auth login` or set HF_TOKEN on every node)"
             )
-    _local_path(source)
 
 
 def check_sources(data: DataSection) -> None:

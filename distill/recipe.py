@@ -85,7 +85,9 @@ class DataSource(_Section):
         "user turn + answer), lmsys (conversation: role/content), text (text); auto: detected from the columns",
     )
     gated: bool = Field(
-        False, description="a gated hub dataset: refused before any work unless a Hugging Face token is set"
+        False,
+        description="a gated hub dataset: refused before any work unless a Hugging Face token is set (a local "
+        "file in path needs none)",
     )
     split: str = Field("train", description="split of a hub dataset")
     weight: float = Field(1.0, gt=0, description="relative share of this source in the mix")
