@@ -312,6 +312,23 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
     return lines, peak
 
 
+def longest_seq_len(
+    recipe: Recipe, config: dict, par: Parallel, usable_gb: float, step: int = 1024
+) -> int | None:
+    """The longest ``data.seq_len`` (a multiple of ``step``, below the recipe's) whose plan fits ``usable_gb``,
+    everything else unchanged; None when not even ``step`` tokens fit."""
+
+    def fits(n: int) -> bool:
+        shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"seq_len": n * step})})
+        return peak_gb(plan(shorter, config, par)) <= usable_gb
+
+    lo, hi = 0, (recipe.data.seq_len - 1) // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * step if lo and fits(lo) else None
+
+
 def train_samples(recipe: Recipe, given: int | None) -> int | None:
     """Training samples: ``--samples``, else the sum of the sources' ``max_samples`` (None when one has none),
     less the held-out share."""
@@ -390,8 +407,15 @@ def check(args) -> None:
     usable = args.gpu_memory * (1 - RESERVE)
     if peak > usable:
         fixes = [] if p["checkpointing"] else ["turn on train.gradient_checkpointing"]
-        fixes.append("lower train.micro_batch_size, data.seq_len or loss.chunk_tokens")
-        fixes.append("use ZeRO-3 (with optimizer offload) or more GPUs")
+        longest = longest_seq_len(recipe, config, par, usable)
+        if longest is not None:  # the row's activations are what does not fit: more GPUs would not help
+            fixes.append(
+                f"lower data.seq_len to {longest} or less; a row is never split across GPUs here, there is no "
+                "sequence parallelism as in the reference's long-context recipes"
+            )
+        else:
+            fixes.append("lower train.micro_batch_size, data.seq_len or loss.chunk_tokens")
+            fixes.append("use ZeRO-3 (with optimizer offload) or more GPUs")
         raise UsageError(
             f"the run needs {peak:.1f} GB per GPU, more than {usable:.1f} GB usable of {args.gpu_memory:g} GB "
             f"(to resolve, {'; '.join(fixes)})"

@@ -40,7 +40,7 @@ from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
-from .data import build_datasets, check_sources, collate_rows
+from .data import build_datasets, check_seq_len, check_sources, collate_rows
 from .elastic import Resume, ResumeError, elastic_checkpoint, fresh, plan, world_state
 from .local import distill_locally
 from .objective import DistillationObjective, metrics_from_sums
@@ -267,6 +267,7 @@ def setup(recipe: Recipe) -> Run:
     ckpt, start_step = resume.checkpoint, resume.step
     accelerator.gradient_accumulation_steps = resume.grad_accum  # the global batch of the checkpoint
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
+    check_seq_len(recipe.data, read_config(Path(recipe.model.source)).get("max_position_embeddings"))
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if resume.elastic:

@@ -150,3 +150,20 @@ def test_a_launch_config_whose_processes_do_not_split_over_its_nodes_is_one_line
     )
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "num_processes 60 is not a multiple of num_machines 8" in err and "to resolve" in err
+
+
+def test_a_sequence_length_no_gpu_holds_is_refused_with_the_longest_that_fits(tmp_path, capsys):
+    """128k-token rows of the 70B recipe on 64 GPUs: the activations of one row exceed a GPU whatever the GPU
+    count, so the one-line error names the longest data.seq_len that fits, and that one does (1024 more does
+    not)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    shutil.copy(CONFIGS / "llama3.3_70b" / "config.json", model / "config.json")
+    args = [ROOT / "recipes" / "swiftkv_llama3.3_70b.yaml", f"model.source={model}", "--no-data"]
+    args += ["--config", ROOT / "recipes" / "accelerate" / "64gpu_8nodes_zero3.yaml"]
+    code, _, err = check(capsys, *args, "data.seq_len=131072")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no sequence parallelism" in err
+    longest = int(re.search(r"lower data.seq_len to (\d+) or less", err).group(1))
+    assert 8192 < longest < 131072 and "more GPUs" not in err
+    assert check(capsys, *args, f"data.seq_len={longest}")[0] == 0
+    assert check(capsys, *args, f"data.seq_len={longest + 1024}")[0] == 2

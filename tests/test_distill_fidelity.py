@@ -116,3 +116,29 @@ def test_unknown_normalisation_is_refused_at_validation(tmp_path):
     path.write_text('{"output_dir": "x", "model": {"source": "m"}, "data": {"sources": [{"path": "d"}]}}')
     with pytest.raises(RecipeError, match=r"loss\.normalize: Input should be 'counted' or 'positions'"):
         load_recipe(path, ["loss.normalize=tokens"])
+
+
+def test_rows_longer_than_the_models_positions_are_refused_before_any_work(
+    tiny_llama_dir, chat_data, tmp_path, capsys
+):
+    """The reference's long-context recipes (128k+ tokens, sequence parallel) have no counterpart here: a row
+    longer than the model's positions is refused in one line before the base model is converted."""
+    from distill.__main__ import main
+
+    out = tmp_path / "out"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        json.dumps(
+            {
+                "output_dir": str(out),
+                "model": {"source": str(tiny_llama_dir), "swiftkv": {"num_key_value_layers": 3}},
+                "data": {"sources": [{"path": str(chat_data)}], "seq_len": 512},
+            }
+        )
+    )
+    assert main([str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: data.seq_len=512 exceeds the model's max_position_embeddings=256 (to resolve, lower data.seq_len)\n"
+    )
+    assert not out.exists()
