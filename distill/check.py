@@ -385,7 +385,7 @@ def format_budget(
         *lines,
         f"size: {b.samples:,} training samples x {b.sample_tokens:,.0f} tokens ({sample_tokens[1]}) -> "
         f"{b.rows:,} {rows} -> {b.steps:,} optimizer steps ({steps}), {b.tokens / 1e9:,.2f} B positions",
-        f"time: {b.flops_per_row / 1e15:,.1f} PFLOP per row, {b.hours:,.1f} h on {b.processes} GPUs "
+        f"time: {b.flops_per_row / 1e15:,.2f} PFLOP per row, {b.hours:,.1f} h on {b.processes} GPUs "
         f"({b.hours * b.processes:,.0f} GPU-hours) at {b.tflops:g} TFLOP/s per GPU (stated, not measured: --tflops)",
     ]
 
