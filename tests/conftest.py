@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -16,7 +18,12 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from swiftkv.artifacts import cache_dir
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
+# its subprocesses, find them: beside the embedded assets, not in a temp folder that may be cleaned
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 TINY = dict(
@@ -31,6 +38,14 @@ TINY = dict(
     eos_token_id=1,
     bos_token_id=2,
 )
+
+
+@pytest.fixture(autouse=True)
+def seeded_rngs() -> None:
+    """Every test starts from the same random state (Python, NumPy, torch), whichever tests ran before it."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 def tiny_base(family: str = "llama", seed: int = 0, **overrides):
@@ -148,3 +163,16 @@ def chat_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chats.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     return path
+
+
+@pytest.fixture(scope="session")
+def distill_reference(tmp_path_factory, tiny_chat_model, chat_data) -> Path:
+    """The output folder of one uninterrupted single-process distillation of the tiny chat model with
+    ``distill_runs.REFERENCE`` settings, run once per session: the kill/resume, SCAR and elastic tests compare
+    their resumed runs with its losses and copy its checkpoints.  Read only."""
+    from distill_runs import REFERENCE, distill, write_recipe
+
+    root = tmp_path_factory.mktemp("distill-reference")
+    out = root / "reference"
+    distill(write_recipe(root, tiny_chat_model, chat_data, out, **REFERENCE))
+    return out

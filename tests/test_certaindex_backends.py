@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -142,12 +141,19 @@ def test_http_prompt_text_gets_no_second_bos(backend, server_url):
     assert reply.text == local.text
 
 
-class SlowScriptedServer:
-    """An OpenAI-compatible stub whose replies take ``delay`` s; it records when each request ran."""
+class PairingScriptedServer:
+    """An OpenAI-compatible stub that answers a probe only once the chunk generated beside it has arrived, and
+    that chunk only once its probe has: a client that sent them one after the other would never get either
+    answer (the pair's barrier breaks after ``timeout`` s and the test fails).  Probe k reads the text after
+    chunk k, the same prompt as chunk k + 1 without the probe suffix; the first chunk has no probe beside it."""
 
-    def __init__(self, delay: float = 0.3) -> None:
-        self.delay, self.log, self.lock = delay, [], threading.Lock()
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.log, self.lock, self.pairs = [], threading.Lock(), {}
         outer = self
+
+        def barrier(prompt: str) -> threading.Barrier:
+            with outer.lock:
+                return outer.pairs.setdefault(prompt, threading.Barrier(2, timeout=timeout))
 
         class Handler(BaseHTTPRequestHandler):
             def _reply(self, payload: dict) -> None:
@@ -162,14 +168,20 @@ class SlowScriptedServer:
 
             def do_POST(self) -> None:
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                start = time.monotonic()
-                time.sleep(outer.delay)
                 probe = req["prompt"].endswith(PROBE_SUFFIX)
+                text = req["prompt"].removesuffix(PROBE_SUFFIX)
+                paired = None  # the first chunk waits for nothing
+                if probe or text != "Q:":
+                    try:
+                        barrier(text).wait()
+                        paired = True
+                    except threading.BrokenBarrierError:
+                        paired = False
                 with outer.lock:
-                    outer.log.append((probe, req["prompt"], start, time.monotonic()))
-                text = "5} \\]" if probe else "step "
+                    outer.log.append((probe, req["prompt"], paired))
+                reply = "5} \\]" if probe else "step "
                 self._reply({
-                    "choices": [{"text": text, "finish_reason": "stop" if probe else "length"}],
+                    "choices": [{"text": reply, "finish_reason": "stop" if probe else "length"}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 3 if probe else req["max_tokens"]},
                 })  # fmt: skip
 
@@ -182,19 +194,18 @@ class SlowScriptedServer:
 
 
 def test_http_probes_run_beside_the_next_chunk():
-    stub = SlowScriptedServer()
+    stub = PairingScriptedServer()
     try:
         result = run_cot(OpenAIBackend(stub.url), "Q:", max_tokens=40, chunk=8, window=100)
     finally:
         stub.server.shutdown()
         stub.server.server_close()
-    chunks = sorted((r for r in stub.log if not r[0]), key=lambda r: r[2])
-    probes = [r for r in stub.log if r[0]]
-    assert len(chunks) == 5 and len(probes) == 4 and result.main_tokens == 40
-    for k, (_, prompt, start, end) in enumerate(sorted(probes, key=lambda r: r[2]), 1):
-        assert prompt == "Q:" + "step " * k + PROBE_SUFFIX  # the text after chunk k, not a later one
-        beside = chunks[k]  # chunk k + 1 was in flight at the same time
-        assert beside[2] < end and start < beside[3], (k, start, end, beside)
+    chunks = [r for r in stub.log if not r[0]]
+    probes = sorted(r[1] for r in stub.log if r[0])
+    assert len(chunks) == 5 and result.main_tokens == 40
+    # probe k is the text after chunk k (not a later one), and was in flight together with chunk k + 1
+    assert probes == ["Q:" + "step " * k + PROBE_SUFFIX for k in range(1, 5)]
+    assert len(stub.log) == 9 and [r[2] for r in stub.log].count(True) == 8, stub.log
 
 
 def test_http_errors_are_one_line(server_url):

@@ -2,8 +2,9 @@
 ``error: ... (to resolve, ...)``, nothing on stdout, and no output written.
 
 Sub-commands and scripts run in-process through ``main(argv)`` (a Python start costs seconds of CPU here);
-every ``__main__`` hands ``main``'s status to the shell (checked in the source), and three real command lines
-(``python -m``, a console script, a script) run as subprocesses.
+every ``__main__`` hands ``main``'s status to the shell (checked in the source), and four real command lines
+(``python -m distill``, ``python -m eval``, a console script, the README's script) run as subprocesses: the
+only ones for these entry points (tests/test_job.py runs the main job in-process).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ SCRIPTS = [
 # a few real command lines (each start imports torch: seconds of CPU), run side by side
 PROCESSES = [
     [sys.executable, "-m", "distill", MISSING],
+    [sys.executable, "-m", "eval", "report", MISSING],
     [sys.executable, "scripts/demo.py", "--out", OUT, "--fractions", "0"],
     [str(Path(sys.executable).parent / "kvcompress"), "calibrate", MISSING, "--out", OUT],
 ]
@@ -142,7 +144,7 @@ def test_console_scripts_point_at_main():
         assert func == "main" and callable(importlib.import_module(module).main)
 
 
-@pytest.mark.slow  # three Python starts: ~10 s on an idle 2-core machine, minutes on a loaded one
+@pytest.mark.slow  # four Python starts side by side, each importing torch
 def test_command_lines_refuse_in_one_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     running = []

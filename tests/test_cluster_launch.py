@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from fault_points import Job as Launch
+from fault_points import reserve_port
 
 from distill.cluster.cli import main
 from distill.cluster.configs import job_configs, require_fit
@@ -94,22 +95,17 @@ def test_a_planned_zero3_job_launches_and_trains(tiny_chat_model, chat_data, tmp
     (entry,) = json.loads((tmp_path / "plan.json").read_text())["jobs"]
     assert (entry["gpus"], entry["zero_stage"]) == (2, 3)
     assert main(["launch-configs", str(tmp_path / "plan.json"), "--out", str(tmp_path / "launch")]) == 0
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-    }
-    run = subprocess.run(
-        ["bash", str(tmp_path / "launch" / "tiny" / "launch.sh")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    # the plan's port (29500 for its first job) is the only change: this machine may run two launches at once
+    config = tmp_path / "launch" / "tiny" / "accelerate.yaml"
+    settings = yaml.safe_load(config.read_text())
+    assert settings["main_process_port"] == 29500
+    with reserve_port() as port:
+        config.write_text(yaml.safe_dump({**settings, "main_process_port": port.getsockname()[1]}))
+        launch = ["bash", tmp_path / "launch" / "tiny" / "launch.sh"]
+        job = Launch.command(tmp_path, launch, port)
+        job.env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+        with job:
+            job.finish()
     steps = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "loss" in r] == [1, 2]
     assert (tmp_path / "run" / "model" / "config.json").is_file()

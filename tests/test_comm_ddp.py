@@ -5,7 +5,7 @@ Each scenario runs in both ranks and returns rank 0's observations; the assertio
 
 from __future__ import annotations
 
-import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -105,20 +105,27 @@ def _priority_order() -> dict:
     return {"w": local.reshape(-1), "rank_grads": grads, "prio_sent": ddp.module.weight.grad.reshape(-1)}
 
 
-SLEEP = 0.25
+STEPS = 7
 
 
-def _stale(staleness: int) -> dict:
-    """Rank 1 is slow; rank 0 may run ahead by at most `staleness` steps; the replicas stay identical."""
+def _stale(staleness: int, store: dist.Store) -> dict:
+    """Rank 1 is slow: it begins step t only once rank 0 has begun step t + staleness (so rank 0 must run that
+    far ahead, or this waits until the store's timeout).  When rank 0 begins a step it records how many steps
+    rank 1 had begun (its counter in a store beside the process group): the hook lets rank 0 begin step t
+    only after step t - staleness - 1's average, i.e. after rank 1 began that step.  Replicas stay identical."""
     ddp = DDP(_mlp())
     register_comm_hook(ddp, CommConfig(staleness=staleness))
     params = list(ddp.parameters())
     opt = torch.optim.SGD(params, lr=0.1)
-    starts, local, applied = [], [], []
-    for t in range(7):
-        starts.append(time.time())
-        if dist.get_rank() == 1:
-            time.sleep(SLEEP)
+    seen, local, applied = [], [], []
+    key = f"stale{staleness}"
+    for t in range(STEPS):
+        if dist.get_rank() == 0:
+            seen.append(store.add(f"{key}/slow", 0))  # read before announcing step t
+            store.set(f"{key}/fast{t}", "begun")
+        else:
+            store.wait([f"{key}/fast{min(t + staleness, STEPS - 1)}"], timedelta(minutes=5))
+            store.add(f"{key}/slow", 1)  # before this step's gradient goes out
         x, y = _batch(dist.get_rank(), t)
         local.append(_flat(torch.autograd.grad(_loss(ddp.module, x, y), params)))
         opt.zero_grad()
@@ -127,11 +134,9 @@ def _stale(staleness: int) -> dict:
         opt.step()
     local = torch.stack(local)
     dist.all_reduce(local)
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, starts)
     final = [torch.zeros(_flat(params).numel()) for _ in range(WORLD)]
     dist.all_gather(final, _flat(params))
-    return {"starts": everyone, "mean": local / WORLD, "applied": torch.stack(applied), "final": final}
+    return {"seen": seen, "mean": local / WORLD, "applied": torch.stack(applied), "final": final}
 
 
 def _resume() -> dict:
@@ -180,16 +185,18 @@ SCENARIOS = {
     "resume": _resume,
     "equivalence": _equivalence,
     "nothing_lost": _nothing_lost,
-    "stale2": lambda: _stale(2),
-    "stale0": lambda: _stale(0),
+    "stale2": lambda store: _stale(2, store),
+    "stale0": lambda store: _stale(0, store),
 }
 
 
-def _worker(rank: int, init: str, results: str) -> None:
+def _worker(rank: int, init: str, results: str, side: str) -> None:
     torch.set_num_threads(1)
+    torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    store = dist.FileStore(side, WORLD)  # the staleness scenarios' own counters
     try:
-        out = {name: run() for name, run in SCENARIOS.items()}
+        out = {name: run(store) if "stale" in name else run() for name, run in SCENARIOS.items()}
         if rank == 0:
             torch.save(out, results)
     finally:
@@ -200,7 +207,7 @@ def _worker(rank: int, init: str, results: str) -> None:
 def runs(tmp_path_factory) -> dict:
     """All scenarios in one 2-process launch (process start-up dominates the cost)."""
     tmp = tmp_path_factory.mktemp("comm_ddp")
-    mp.spawn(_worker, args=(f"file://{tmp}/store", str(tmp / "results.pt")), nprocs=WORLD)
+    mp.spawn(_worker, args=(f"file://{tmp}/store", str(tmp / "results.pt"), str(tmp / "side")), nprocs=WORLD)
     return torch.load(tmp / "results.pt")
 
 
@@ -239,14 +246,12 @@ def test_small_budget_loses_nothing_and_respects_priority(runs):
 @pytest.mark.slow
 def test_staleness_bound_with_a_slow_worker(runs):
     s, out = 2, runs["stale2"]
-    fast, slow = out["starts"]
-    steps = len(fast)
-    for t in range(s + 1, steps):  # rank 0 starts step t only after rank 1 finished step t-s-1
-        assert fast[t] >= slow[t - s - 1] + SLEEP - 0.02
-    assert any(fast[t] < slow[t - s + 1] for t in range(s, steps))  # ...and it does run ahead
+    # rank 0 began step t when rank 1 had begun exactly t - s steps: no fewer (the bound; the test's own
+    # order allows no more), and rank 0 got s steps ahead (else rank 1 would have waited for ever)
+    assert out["seen"] == [max(0, t - s) for t in range(STEPS)]
     applied, mean = out["applied"], out["mean"]
     assert torch.count_nonzero(applied[:s]) == 0
-    torch.testing.assert_close(applied[s:], mean[: steps - s], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(applied[s:], mean[: STEPS - s], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out["final"][0], out["final"][1], rtol=0, atol=0)
 
 
@@ -264,6 +269,5 @@ def test_comm_state_checkpoint_resumes_exactly(runs):
 @pytest.mark.slow
 def test_staleness_zero_is_synchronous(runs):
     out = runs["stale0"]
-    fast, slow = out["starts"]
-    assert all(fast[t] >= slow[t - 1] + SLEEP - 0.02 for t in range(1, len(fast)))
+    assert out["seen"] == list(range(STEPS))  # rank 0 begins step t only once rank 1 has begun step t-1
     torch.testing.assert_close(out["applied"], out["mean"], rtol=1e-5, atol=1e-6)

@@ -323,9 +323,10 @@ def test_ddp_full_loss_each_rank_restores_its_share_and_broadcasts(tmp_path):
 
 ZERO_SCRIPT = """
 import os, sys, tempfile, torch
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+torch.distributed.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
 import deepspeed
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed.init_distributed(dist_backend="gloo")  # takes the process group above
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks
 from distill.scar.running import RunningCheckpoint
@@ -369,15 +370,16 @@ print("ok")
 
 @pytest.mark.slow
 def test_zero_partitions_recover_into_the_model_under_deepspeed(tmp_path):
-    import socket
-
     pytest.importorskip("deepspeed")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    init = f"file://{tmp_path}/rendezvous"
     proc = subprocess.run(
-        [sys.executable, "-c", ZERO_SCRIPT, str(port)], capture_output=True, text=True, env=env, cwd=tmp_path
+        [sys.executable, "-c", ZERO_SCRIPT, init],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 

@@ -1,23 +1,25 @@
-"""SCAR in the real training loop: resume at the running checkpoint's step, fallbacks and refusals."""
+"""SCAR in the real training loop: resume at the running checkpoint's step, fallbacks and refusals.
+
+(Switching SCAR on for a run that has only full checkpoints, and other block settings refused on resume, are
+in test_distill_train.py's single-process kill test, which resumes that way.)"""
 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from test_distill_train import PY, ROOT, env, kill_when, launch, logged_step, losses, run, write_recipe
+from distill_runs import REFERENCE, distill, killed_at, launched, losses, records, write_recipe
+from fault_points import Job
 
 from distill.scar.faults import truncate_file
 
 SCAR = "checkpoint.scar={fraction: 1.0, every_steps: 1, block_bytes: 4096}"
-SCHEDULE = "optim.schedule=linear"  # the resumed learning rate must be the step's, not the full checkpoint's
+EVAL = "log.eval_every_steps=1"
 
 
-def resumed_step(result) -> int:
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if "resumed" in line]
+def resumed_step(text: str) -> int:
+    lines = [line for line in text.splitlines() if "resumed" in line]
     return int(lines[-1].rsplit("at step ", 1)[1].split()[0])
 
 
@@ -25,59 +27,55 @@ def manifests(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "scar").glob("rank_*/manifest.json"))]
 
 
+def evals_at(out: Path, step: int) -> list[dict]:
+    return [r for r in records(out) if r["step"] == step and "eval_kl" in r]
+
+
 @pytest.mark.slow
 @pytest.mark.smollm2
-def test_resume_continues_from_the_running_checkpoint_step(tiny_chat_model, chat_data, tmp_path):
-    """A running checkpoint of every block each step: after SIGKILL at step 5 (no full checkpoint yet) the
-    run resumes at the running save's step and continues with the uninterrupted run's losses (data order,
-    learning rate and Adam's step counters of that step); with a full checkpoint at step 3, a corrupt block
-    file falls back to it with one warning line."""
-    ref = tmp_path / "reference"
-    run([PY, "-m", "distill", str(write_recipe(tmp_path, tiny_chat_model, chat_data, ref)), SCHEDULE])
-    reference = losses(ref)
+def test_resume_continues_from_the_running_checkpoint_step(
+    tiny_chat_model, chat_data, distill_reference, tmp_path
+):
+    """Every block each step, no full checkpoint before the kill (after step 5): the run resumes at the running
+    save's step from it alone, in exactly the killed run's state (its held-out metrics are the killed run's of
+    that step), and continues with the reference's losses (data order, learning rate and Adam's step counters
+    of that step).  Half the blocks every 2 steps by largest change, a full checkpoint at step 3, one block
+    saved at step 4 damaged: the resume at step 4 takes that block from the full checkpoint with one warning
+    line, logs the recovered state's evaluation (a mix, not step 4's state) before training on, and finishes."""
+    reference = losses(distill_reference)
 
-    out = tmp_path / "killed"  # no full checkpoint before the kill: the running checkpoint alone resumes
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, every=10)
-    kill_when([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE], logged_step(out, 5))
-    saved = manifests(out)[0]["step"]
-    assert saved >= 4
-    result = run([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE])
-    assert resumed_step(result) == saved
+    out = tmp_path / "killed"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, **{**REFERENCE, "every": 10})
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe, SCAR, EVAL)
+    assert [m["step"] for m in manifests(out)] == [5] and not (out / "checkpoints").exists()
+    text = distill(recipe, SCAR, EVAL)
+    assert resumed_step(text) == 5 and "warning" not in text
     resumed = losses(out)
-    for step in range(saved + 1, 7):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
-    assert "warning" not in result.stderr
+    assert resumed[6] == pytest.approx(reference[6], rel=1e-6, abs=1e-7)
+    killed_eval, recovered_eval = evals_at(out, 5)
+    assert recovered_eval["resumed"] == "running" and "resumed" not in killed_eval
+    metrics = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in (killed_eval, recovered_eval)]
+    assert len(metrics[0]) >= 4 and metrics[1] == metrics[0]  # the same state, to the last bit
 
-    out = tmp_path / "corrupt"
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    kill_when([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE], logged_step(out, 5))
-    manifest = manifests(out)[0]
-    bad = sorted(manifest["blocks"])[0]
+    out = tmp_path / "damaged"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, **{**REFERENCE, "every": 3})
+    scar = "checkpoint.scar={fraction: 0.5, every_steps: 2, select: max-change}"
+    killed_at(tmp_path, "step:6", "-m", "distill", recipe, scar, EVAL)
+    (manifest,) = manifests(out)
+    assert manifest["step"] == 4
+    bad = sorted(b for b, entry in manifest["blocks"].items() if entry["step"] == 4)[0]
     truncate_file(out / "scar" / "rank_00000" / manifest["blocks"][bad]["file"])
-    result = run([PY, "-m", "distill", str(recipe), SCAR, SCHEDULE])
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and bad in warnings[0] and "full checkpoint" in warnings[0], result.stderr
-    assert resumed_step(result) == manifest["step"]
+    result = distill(recipe, scar, EVAL)
+    warnings = [line for line in result.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and bad in warnings[0] and "full checkpoint" in warnings[0], result[-3000:]
+    assert "resumed running checkpoint" in result and resumed_step(result) == 4
+    # the killed run's evaluation of step 4, then the recovered state's (the full checkpoint of step 3 with the
+    # blocks saved at step 4, but the damaged one), evaluated before training on
+    killed_eval, recovered_eval = evals_at(out, 4)
+    assert recovered_eval["resumed"] == "running" and recovered_eval["train_tokens"] == 4 * 4 * 64
+    assert recovered_eval["eval_kl"] != killed_eval["eval_kl"]
+    assert [r["step"] for r in records(out) if "loss" in r][-2:] == [5, 6]
     assert (out / "model" / "model.safetensors").is_file()
-
-
-@pytest.mark.slow
-@pytest.mark.smollm2
-def test_switching_scar_on_or_changing_its_blocks_on_resume(tiny_chat_model, chat_data, tmp_path):
-    """SCAR switched on for a run that has only full checkpoints resumes from the full checkpoint; other block
-    settings than the running checkpoint's are refused with one line (exit 2) before any training."""
-    out = tmp_path / "late"
-    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out)
-    kill_when([PY, "-m", "distill", str(recipe)], logged_step(out, 5))
-    result = run([PY, "-m", "distill", str(recipe), SCAR, "train.max_steps=6"])
-    assert resumed_step(result) == 3 and manifests(out)[0]["step"] == 6
-
-    (out / "model").rename(out / "model-1")
-    other = "checkpoint.scar={fraction: 1.0, every_steps: 1, block_bytes: 256}"
-    result = run([PY, "-m", "distill", str(recipe), other, "train.max_steps=8"], expect=2)
-    error = result.stderr.strip().splitlines()
-    assert error[-1].startswith("error: ") and "block" in error[-1] and "to resolve" in error[-1]
-    assert not (out / "model").exists()
 
 
 @pytest.mark.slow
@@ -88,21 +86,19 @@ def test_two_process_zero1_bf16_resume_and_a_failing_rank(tiny_chat_model, chat_
     resumes at the running checkpoint's step and finishes."""
     out = tmp_path / "zero1"
     recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, mixed_precision="bf16")
-    cmd = launch("cpu_2proc_zero1", recipe, SCAR, SCHEDULE)
-    kill_when(cmd, logged_step(out, 5))
-    saved = min(m["step"] for m in manifests(out))
-    assert saved >= 4 and len(manifests(out)) == 2
+    target = ("-m", "distill", recipe, SCAR, "optim.schedule=linear")
+    killed_at(tmp_path, "step:6", *target, processes=2, config="cpu_2proc_zero1")
+    assert [m["step"] for m in manifests(out)] == [5, 5]
     manifest = out / "scar" / "rank_00001" / "manifest.json"
     good = manifest.read_bytes()
     manifest.write_bytes(good[: len(good) // 2])  # a torn write of rank 1's manifest
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env(), timeout=600)
-    # both ranks print the line at once, so their writes may share one line of the combined stderr
-    errors = re.findall(
-        r"error: running checkpoint not resumable \(rank \d+: .*?\)+(?=error:|\n|$)", result.stderr
-    )
-    assert result.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]
-    assert "rank 1" in errors[0] and not (out / "model").exists()
+    with Job(tmp_path / "launches", target, 2, "cpu_2proc_zero1") as job:
+        job.finish(expect=1)
+        errors = [[x for x in job.output(r, "err").splitlines() if x.startswith("error:")] for r in (0, 1)]
+    assert len(errors[0]) == 1 and errors[0] == errors[1], errors  # each rank's own stderr file
+    assert errors[0][0].startswith("error: running checkpoint not resumable (rank 1: ")
+    assert not (out / "model").exists()
     manifest.write_bytes(good)
-    result = run(cmd)
-    assert resumed_step(result) == saved
+    job = launched(tmp_path, "cpu_2proc_zero1", *target[2:])
+    assert resumed_step(job.output()) == 5
     assert (out / "model" / "model.safetensors").is_file()

@@ -4,7 +4,6 @@ saved, lost and recovered into the model's working weights."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,11 +11,11 @@ import pytest
 
 RANK_SCRIPT = """
 import os, sys, tempfile, torch
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.argv[2], WORLD_SIZE="2",
-                  LOCAL_RANK=sys.argv[2])
+os.environ.update(RANK=sys.argv[2], WORLD_SIZE="2", LOCAL_RANK=sys.argv[2])
+torch.distributed.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 import deepspeed
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed.init_distributed(dist_backend="gloo")  # takes the process group above
 from distill.scar.config import ScarConfig
 from distill.scar.running import RunningCheckpoint
 from distill.scar.zero import push_to_model, zero_partitions
@@ -68,23 +67,24 @@ for stage, bf16 in ((1, True), (2, True), (3, True), (1, False)):
 @pytest.mark.slow
 def test_zero_stages_and_bf16_partitions_recover_on_two_processes(tmp_path):
     pytest.importorskip("deepspeed")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, port, str(rank), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-        )
-        for rank in range(2)
-    ]
-    outputs = [p.communicate(timeout=600) for p in procs]
-    for proc, (out, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-        assert out.count("ok") == 4, out
+    init = f"file://{tmp_path}/rendezvous"  # no port to find or to lose
+    procs = []
+    try:
+        for rank in range(2):  # each rank's output in files of its own: no pipe fills while another is read
+            with (
+                open(tmp_path / f"rank{rank}.out", "w") as out,
+                open(tmp_path / f"rank{rank}.err", "w") as err,
+            ):
+                cmd = [sys.executable, "-c", RANK_SCRIPT, init, str(rank), str(tmp_path)]
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp_path))
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank, code in enumerate(codes):
+        assert code == 0, (tmp_path / f"rank{rank}.err").read_text()[-3000:]
+        out = (tmp_path / f"rank{rank}.out").read_text()
+        assert out.count("blocks ok") == 4, out
     assert {p.name for p in (tmp_path / "stage1-True").iterdir()} == {"rank_00000", "rank_00001"}
