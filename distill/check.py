@@ -31,7 +31,7 @@ EPILOG = """examples:
   python -m distill check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
   python -m distill check recipes/swiftkv_llama3.3_70b.yaml --config recipes/accelerate/8gpu_zero3.yaml \\
       --model-config /path/to/Llama-3.3-70B-Instruct/config.json --no-data
-  python -m distill check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \
+  python -m distill check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \\
       --model-config recipes/model_configs/llama3.1_405b/config.json --no-data --sample-tokens 1000 --tflops 300
   python -m distill check recipes/swiftkv_smollm2_cpu.yaml data.seq_len=1024 --gpu-memory 24
 """

@@ -3,9 +3,9 @@
 ``kd_loss`` is forward KL(teacher || student) at temperature T, scaled by T^2, averaged over the counted
 tokens (``normalize="counted"``) or summed over them and divided by every position of the batch
 (``normalize="positions"``, the reference trainer's ``mean(kl * mask)``); the hidden-state MSE likewise over
-counted tokens or over every position.  Only counted positions are projected onto the vocabulary, and in chunks of ``chunk_tokens`` rows
-whose logits are recomputed in backward (activation checkpointing), so peak memory is one chunk of
-[chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
+counted tokens or over every position.  Only counted positions are projected onto the vocabulary, and in
+chunks of ``chunk_tokens`` rows whose logits are recomputed in backward (activation checkpointing), so peak
+memory is one chunk of [chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
 computation (tests/test_distill_objective.py).
 
 ``DistillationObjective`` wraps the causal LM so that accelerate/DeepSpeed see one module whose forward
