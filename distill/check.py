@@ -1,13 +1,14 @@
 """``python -m distill check RECIPE [key=value ...]``: will this run work, and does it fit, before launch?
 
-Reads only small files, so a 70B check runs on a laptop: the recipe (validated), the model's ``config.json``
+Reads only small files, so a 405B check runs on a laptop: the recipe (validated), the model's ``config.json``
 and its weights files' headers (``--model-config`` when the model folder is not on this machine; a Hub id
-fetches only its config and tokenizer), the tokenizer files, the accelerate config
-(``--config``: process count, DeepSpeed stage, offload, buckets) and the first ``--limit`` rows of every data
-source.  Prints per-source sample and assistant-token counts and the per-GPU memory plan of ``distill.memory``;
-exits 2 with one line when the recipe is invalid, a source yields no trainable row or cannot be read (hub
-sources need network, gated ones a login; ``--no-data`` skips the row check and says so), or the plan does not
-fit ``--gpu-memory`` GB per GPU (after a reserve for the CUDA context, NCCL and fragmentation).
+fetches only its config and tokenizer), the tokenizer files, the accelerate config (``--config``: process and
+machine count, DeepSpeed stage, offload, buckets) and the first ``--limit`` rows of every data source.  Prints
+per-source sample and assistant-token counts, the per-GPU memory plan of ``distill.memory`` and the run's size
+of ``distill.budget`` (rows, optimizer steps, positions, hours at a stated per-GPU throughput); exits 2 with
+one line when the recipe is invalid, a source yields no trainable row or cannot be read (hub sources need
+network, gated ones a login; ``--no-data`` skips the row check and says so), or the plan does not fit
+``--gpu-memory`` GB per GPU (after a reserve for the CUDA context, NCCL and fragmentation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from swiftkv.cliargs import ArgumentParser, UsageError, add_limit, existing_path
 from swiftkv.convert import resolve_num_key_value_layers
 from swiftkv.flops import Shape
 
+from .budget import DEFAULT_TFLOPS, plan_budget
 from .memory import GB, Batch, Parallel, Params, activations, comm_buffers, lstsq_init, model_states
 from .recipe import Recipe, RecipeError, load_recipe
 
@@ -30,6 +32,8 @@ EPILOG = """examples:
   python -m distill check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
   python -m distill check recipes/swiftkv_llama3.3_70b.yaml --config recipes/accelerate/8gpu_zero3.yaml \\
       --model-config /path/to/Llama-3.3-70B-Instruct/config.json --no-data
+  python -m distill check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \\
+      --model-config recipes/model_configs/llama3.1_405b/config.json --no-data --sample-tokens 1000 --tflops 300
   python -m distill check recipes/swiftkv_smollm2_cpu.yaml data.seq_len=1024 --gpu-memory 24
 """
 
@@ -58,6 +62,23 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--tokenizer", type=existing_path, help="tokenizer folder (default: the model's)")
     parser.add_argument("--no-data", action="store_true", help="skip reading rows of the data sources")
+    parser.add_argument(
+        "--sample-tokens",
+        type=float,
+        help="mean tokens per training sample for the run's size (default: measured on the rows read; without "
+        "data and without this, steps and hours are not estimated)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help="training samples when a source has no max_samples (default: the sum of data.sources[].max_samples)",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=DEFAULT_TFLOPS,
+        help=f"achieved TFLOP/s per GPU the hours are computed at (default: {DEFAULT_TFLOPS:g}, an assumption)",
+    )
     add_limit(parser, 8, "rows read per data source")
     return parser
 
@@ -133,8 +154,14 @@ def parallel_plan(path: Path | None) -> Parallel:
             f"{path} is not an accelerate config mapping (to resolve, pass `accelerate config` output)"
         )
     processes = int(cfg.get("num_processes") or 1)
+    nodes = int(cfg.get("num_machines") or 1)
+    if processes % nodes:
+        raise UsageError(
+            f"{path}: num_processes {processes} is not a multiple of num_machines {nodes} "
+            "(to resolve, set num_processes to GPUs per node x num_machines)"
+        )
     if cfg.get("distributed_type") != "DEEPSPEED":
-        return Parallel(processes=processes)
+        return Parallel(processes=processes, nodes=nodes)
     ds_cfg = cfg.get("deepspeed_config") or {}
     ds_file = ds_cfg.get("deepspeed_config_file")
     if ds_file:
@@ -158,7 +185,7 @@ def parallel_plan(path: Path | None) -> Parallel:
                 "offload_param": {"device": ds_cfg.get("offload_param_device", "none")},
             }
         }
-    return Parallel.from_deepspeed(processes, ds)
+    return Parallel.from_deepspeed(processes, ds, nodes)
 
 
 def _resolvable(message: str) -> str:
@@ -167,9 +194,10 @@ def _resolvable(message: str) -> str:
     )
 
 
-def data_report(recipe: Recipe, tokenizer_dir: Path, rows: int) -> list[str]:
-    """Per-source counts over the first ``rows`` records; UsageError for a source that cannot be read or
-    yields no trainable sample (named, with the columns it has)."""
+def data_report(recipe: Recipe, tokenizer_dir: Path, rows: int) -> tuple[list[str], float]:
+    """Per-source counts over the first ``rows`` records and the mean tokens per trainable sample (sources
+    weighted by their ``weight``); UsageError for a source that cannot be read or yields no trainable sample
+    (named, with the columns it has)."""
     from transformers import AutoTokenizer
 
     from .data import DataError, check_sources, source_stats
@@ -189,6 +217,7 @@ def data_report(recipe: Recipe, tokenizer_dir: Path, rows: int) -> list[str]:
         f"data: first {rows} rows of each source (tokenizer {tokenizer_dir})",
         f"  {'source':<44} {'format':<10} {'rows':>5} {'samples':>7} {'assistant tokens':>16}",
     ]
+    means = []
     for source in recipe.data.sources:
         try:
             stats = source_stats(source, tokenizer, rows, recipe.data.seq_len, recipe.data.loss_on)
@@ -204,7 +233,8 @@ def data_report(recipe: Recipe, tokenizer_dir: Path, rows: int) -> list[str]:
             f"  {source.path:<44} {stats['format']:<10} {stats['rows']:>5} {stats['samples']:>7} "
             f"{stats['assistant_tokens']:>16}"
         )
-    return lines
+        means.append((source.weight, stats["tokens"] / stats["samples"]))
+    return lines, sum(w * m for w, m in means) / sum(w for w, _ in means)
 
 
 def plan(recipe: Recipe, config: dict, par: Parallel) -> dict:
@@ -295,6 +325,84 @@ def format_plan(recipe: Recipe, par: Parallel, p: dict, gpu_memory: float) -> tu
     return lines, peak
 
 
+def longest_seq_len(
+    recipe: Recipe, config: dict, par: Parallel, usable_gb: float, step: int = 1024
+) -> int | None:
+    """The longest ``data.seq_len`` (a multiple of ``step``, below the recipe's) whose plan fits ``usable_gb``,
+    everything else unchanged; None when not even ``step`` tokens fit."""
+
+    def fits(n: int) -> bool:
+        shorter = recipe.model_copy(update={"data": recipe.data.model_copy(update={"seq_len": n * step})})
+        return peak_gb(plan(shorter, config, par)) <= usable_gb
+
+    lo, hi = 0, (recipe.data.seq_len - 1) // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo * step if lo and fits(lo) else None
+
+
+def train_samples(recipe: Recipe, given: int | None) -> int | None:
+    """Training samples: ``--samples``, else the sum of the sources' ``max_samples`` (None when one has none),
+    less the held-out share."""
+    caps = [s.max_samples for s in recipe.data.sources]
+    total = given if given is not None else (None if None in caps else sum(caps))
+    return None if total is None else int(total * (1 - recipe.data.holdout))
+
+
+def format_budget(
+    recipe: Recipe,
+    par: Parallel,
+    p: dict,
+    samples: int | None,
+    sample_tokens: tuple[float, str] | None,
+    tflops: float,
+) -> list[str]:
+    """The launch, and the run's rows, steps, positions and hours (``distill.budget``) when they can be sized."""
+    train = recipe.train
+    per_node = par.processes // par.nodes
+    lines = [
+        f"launch: {par.processes} process(es) on {par.nodes} node(s) x {per_node}; global batch "
+        f"{train.micro_batch_size * train.grad_accum * par.processes} rows (micro_batch {train.micro_batch_size} x "
+        f"grad_accum {train.grad_accum} x {par.processes} processes) of {recipe.data.seq_len} positions"
+    ]
+    missing = [
+        what
+        for what, value in (
+            ("samples (--samples)", samples),
+            ("tokens per sample (--sample-tokens)", sample_tokens),
+        )
+        if value is None
+    ]
+    if missing:
+        return [*lines, f"size: not estimated (no {' and no '.join(missing)})"]
+    b = plan_budget(
+        p["shape"],
+        p["params"].trainable,
+        samples=samples,
+        sample_tokens=sample_tokens[0],
+        seq_len=recipe.data.seq_len,
+        packing=recipe.data.packing,
+        micro_batch=train.micro_batch_size,
+        grad_accum=train.grad_accum,
+        processes=par.processes,
+        epochs=train.epochs,
+        max_steps=train.max_steps,
+        checkpointing=p["checkpointing"],
+        shared_lower_layers=train.shared_lower_layers,
+        tflops=tflops,
+    )
+    rows = "packed rows (lower bound)" if recipe.data.packing else "rows (one sample each, unpacked)"
+    steps = f"train.max_steps={train.max_steps}" if train.max_steps else f"{train.epochs:g} epoch(s)"
+    return [
+        *lines,
+        f"size: {b.samples:,} training samples x {b.sample_tokens:,.0f} tokens ({sample_tokens[1]}) -> "
+        f"{b.rows:,} {rows} -> {b.steps:,} optimizer steps ({steps}), {b.tokens / 1e9:,.2f} B positions",
+        f"time: {b.flops_per_row / 1e15:,.2f} PFLOP per row, {b.hours:,.1f} h on {b.processes} GPUs "
+        f"({b.hours * b.processes:,.0f} GPU-hours) at {b.tflops:g} TFLOP/s per GPU (stated, not measured: --tflops)",
+    ]
+
+
 def check(args) -> None:
     recipe = load_recipe_or_usage(args.recipe, args.overrides)
     source = None
@@ -315,22 +423,38 @@ def check(args) -> None:
     usable = args.gpu_memory * (1 - RESERVE)
     if peak > usable:
         fixes = [] if p["checkpointing"] else ["turn on train.gradient_checkpointing"]
-        fixes.append("lower train.micro_batch_size, data.seq_len or loss.chunk_tokens")
-        fixes.append("use ZeRO-3 (with optimizer offload) or more GPUs")
+        longest = longest_seq_len(recipe, config, par, usable)
+        if longest is not None:  # the row's activations are what does not fit: more GPUs would not help
+            fixes.append(
+                f"lower data.seq_len to {longest} or less; a row is never split across GPUs here, there is no "
+                "sequence parallelism as in the reference's long-context recipes"
+            )
+        else:
+            fixes.append("lower train.micro_batch_size, data.seq_len or loss.chunk_tokens")
+            fixes.append("use ZeRO-3 (with optimizer offload) or more GPUs")
         raise UsageError(
             f"the run needs {peak:.1f} GB per GPU, more than {usable:.1f} GB usable of {args.gpu_memory:g} GB "
             f"(to resolve, {'; '.join(fixes)})"
         )
+    sample_tokens = None if args.sample_tokens is None else (args.sample_tokens, "stated: --sample-tokens")
     if args.no_data:
         print(f"data: not checked (--no-data): {len(recipe.data.sources)} sources' rows, layouts and logins")
-        return
-    if args.tokenizer is not None:
-        tokenizer_dir = args.tokenizer
-    elif args.model_config is not None:
-        tokenizer_dir = args.model_config if args.model_config.is_dir() else args.model_config.parent
     else:
-        tokenizer_dir = source.path
-    print("\n".join(data_report(recipe, tokenizer_dir, args.limit)))
+        if args.tokenizer is not None:
+            tokenizer_dir = args.tokenizer
+        elif args.model_config is not None:
+            tokenizer_dir = args.model_config if args.model_config.is_dir() else args.model_config.parent
+        else:
+            tokenizer_dir = source.path
+        data_lines, measured = data_report(recipe, tokenizer_dir, args.limit)
+        print("\n".join(data_lines))
+        if sample_tokens is None:
+            sample_tokens = (measured, f"mean of the first {args.limit} rows per source")
+    print(
+        "\n".join(
+            format_budget(recipe, par, p, train_samples(recipe, args.samples), sample_tokens, args.tflops)
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

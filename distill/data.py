@@ -67,8 +67,9 @@ def _local_path(source: DataSource) -> Path | None:
 
 
 def check_source(source: DataSource) -> None:
-    """The checks that need no data: a gated dataset needs a token, a local file must exist."""
-    if source.gated:
+    """The checks that need no data: a local file must exist; a gated hub dataset needs a token (a local copy of
+    a gated source, its ``path`` overridden with a file, needs none)."""
+    if _local_path(source) is None and source.gated:
         import huggingface_hub
 
         if huggingface_hub.get_token() is None:
@@ -77,7 +78,6 @@ def check_source(source: DataSource) -> None:
                 f"(to resolve, accept its terms at https://huggingface.co/datasets/{source.path} and run "
                 "`hf auth login` or set HF_TOKEN on every node)"
             )
-    _local_path(source)
 
 
 def check_sources(data: DataSection) -> None:
@@ -354,16 +354,21 @@ def collate_rows(rows: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, tor
     return tuple(torch.stack([r[k] for r in rows]) for k in ROW_COLUMNS)
 
 
-def build_datasets(data: DataSection, tokenizer, max_positions: int | None = None):
-    """Packed train and held-out rows (torch-formatted ``datasets.Dataset`` of ``ROW_COLUMNS``, each row
-    ``seq_len`` long) for a recipe's data section.  Every source is checked before any is tokenized."""
-    import datasets
-
+def check_seq_len(data: DataSection, max_positions: int | None) -> None:
+    """A row must fit the model's positions (cheap: before any conversion or tokenizing)."""
     if max_positions is not None and data.seq_len > max_positions:
         raise DataError(
             f"data.seq_len={data.seq_len} exceeds the model's max_position_embeddings={max_positions} "
             "(to resolve, lower data.seq_len)"
         )
+
+
+def build_datasets(data: DataSection, tokenizer, max_positions: int | None = None):
+    """Packed train and held-out rows (torch-formatted ``datasets.Dataset`` of ``ROW_COLUMNS``, each row
+    ``seq_len`` long) for a recipe's data section.  Every source is checked before any is tokenized."""
+    import datasets
+
+    check_seq_len(data, max_positions)
     check_sources(data)
     raws = [load_source(source, cache_dir=data.cache_dir) for source in data.sources]
     for source, raw in zip(data.sources, raws, strict=True):

@@ -57,6 +57,7 @@ class Parallel:
 
     processes: int = 1
     stage: int = 0
+    nodes: int = 1  # machines the processes run on (the plan is per GPU; ZeRO shards over all processes)
     offload_optimizer: bool = False
     offload_params: bool = False
     reduce_bucket: int = int(_DS_DEFAULTS["reduce_bucket_size"])
@@ -68,11 +69,13 @@ class Parallel:
     def __post_init__(self):
         if self.processes < 1 or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"processes={self.processes} must be >= 1 and stage={self.stage} in 0..3")
+        if self.nodes < 1 or self.processes % self.nodes:
+            raise ValueError(f"processes={self.processes} must be a multiple of nodes={self.nodes}")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"offload_param needs ZeRO-3, got stage={self.stage}")
 
     @classmethod
-    def from_deepspeed(cls, processes: int, ds: dict) -> Parallel:
+    def from_deepspeed(cls, processes: int, ds: dict, nodes: int = 1) -> Parallel:
         """From a DeepSpeed config dict (``zero_optimization`` section); missing keys take DeepSpeed's defaults."""
         zero = ds.get("zero_optimization", {}) or {}
         stage = int(zero.get("stage", 0))
@@ -88,6 +91,7 @@ class Parallel:
         return cls(
             processes=processes,
             stage=stage,
+            nodes=nodes,
             offload_optimizer=device("offload_optimizer"),
             offload_params=device("offload_param"),
             reduce_bucket=get("reduce_bucket_size"),

@@ -1,9 +1,11 @@
 """The distillation objective: teacher = the same weights in original mode, student = the SwiftKV path.
 
 ``kd_loss`` is forward KL(teacher || student) at temperature T, scaled by T^2, averaged over the counted
-tokens.  Only counted positions are projected onto the vocabulary, and in chunks of ``chunk_tokens`` rows
-whose logits are recomputed in backward (activation checkpointing), so peak memory is one chunk of
-[chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
+tokens (``normalize="counted"``) or summed over them and divided by every position of the batch
+(``normalize="positions"``, the reference trainer's ``mean(kl * mask)``); the hidden-state MSE likewise over
+counted tokens or over every position.  Only counted positions are projected onto the vocabulary, and in
+chunks of ``chunk_tokens`` rows whose logits are recomputed in backward (activation checkpointing), so peak
+memory is one chunk of [chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
 computation (tests/test_distill_objective.py).
 
 ``DistillationObjective`` wraps the causal LM so that accelerate/DeepSpeed see one module whose forward
@@ -54,8 +56,10 @@ def kd_loss(
     mask: torch.Tensor,
     temperature: float = 2.0,
     chunk_tokens: int = 1024,
+    normalize: str = "counted",
 ) -> torch.Tensor:
-    """T^2 * mean over counted tokens of KL(softmax(teacher/T) || softmax(student/T)).
+    """T^2 * KL(softmax(teacher/T) || softmax(student/T)) summed over counted tokens, divided by their number
+    (``normalize="counted"``) or by every position of ``mask`` (``"positions"``).
 
     student/teacher: [batch, seq, hidden] (or logits, with ``head=nn.Identity()``); mask: [batch, seq] of 0/1.
     """
@@ -66,7 +70,15 @@ def kd_loss(
             total = total + checkpoint(_chunk_kl, s, t, head, temperature, use_reentrant=False)
         else:
             total = total + _chunk_kl(s, t, head, temperature)
-    return total * temperature**2 / mask.sum().clamp(min=1)
+    return total * temperature**2 / _denominator(mask, normalize)
+
+
+def _denominator(mask: torch.Tensor, normalize: str) -> torch.Tensor | int:
+    if normalize == "positions":
+        return mask.numel()
+    if normalize == "counted":
+        return mask.sum().clamp(min=1)
+    raise ValueError(f"normalize={normalize!r}: expected counted or positions")
 
 
 @torch.no_grad()
@@ -109,10 +121,15 @@ def metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:
     }
 
 
-def masked_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over counted tokens of the mean squared difference over the hidden size."""
+def masked_mse(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, normalize: str = "counted"
+) -> torch.Tensor:
+    """Mean over counted tokens (``normalize="positions"``: over every position) of the mean squared difference
+    over the hidden size."""
     per_token = (student.float() - teacher.float()).pow(2).mean(-1)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if normalize == "positions":
+        return per_token.mean()
+    return (per_token * mask).sum() / _denominator(mask, normalize)
 
 
 class DistillationObjective(nn.Module):
@@ -147,8 +164,8 @@ class DistillationObjective(nn.Module):
         cfg = self.loss_cfg
         teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids)
         mask = loss_mask.to(student.dtype)
-        kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens)
-        mse = masked_mse(s_in, t_in, mask) if cfg.mse_weight > 0 else kl.new_zeros(())
+        kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens, cfg.normalize)
+        mse = masked_mse(s_in, t_in, mask, cfg.normalize) if cfg.mse_weight > 0 else kl.new_zeros(())
         out = {"loss": cfg.kl_weight * kl + cfg.mse_weight * mse, "kl": kl.detach(), "mse": mse.detach()}
         if not self.training:
             out["metrics"] = agreement_metrics(student, teacher, head, loss_mask, cfg.chunk_tokens, input_ids)

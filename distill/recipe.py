@@ -85,7 +85,9 @@ class DataSource(_Section):
         "user turn + answer), lmsys (conversation: role/content), text (text); auto: detected from the columns",
     )
     gated: bool = Field(
-        False, description="a gated hub dataset: refused before any work unless a Hugging Face token is set"
+        False,
+        description="a gated hub dataset: refused before any work unless a Hugging Face token is set (a local "
+        "file in path needs none)",
     )
     split: str = Field("train", description="split of a hub dataset")
     weight: float = Field(1.0, gt=0, description="relative share of this source in the mix")
@@ -116,6 +118,12 @@ class LossSection(_Section):
     temperature: float = Field(2.0, gt=0, description="KL temperature T; the KL is scaled by T^2")
     kl_weight: float = Field(1.0, ge=0)
     mse_weight: float = Field(1.0, ge=0, description="MSE between the two paths' input to the last layer")
+    normalize: Literal["counted", "positions"] = Field(
+        "counted",
+        description="counted: the KL and the MSE are means over the tokens the loss counts; positions: as the "
+        "reference trainer (ArcticTraining projects/swiftkv), the KL summed over counted tokens divided by every "
+        "position of the micro-batch, the MSE a mean over every position (prompt and padding too)",
+    )
     chunk_tokens: int = Field(1024, ge=1, description="tokens per vocab-projection chunk (bounds memory)")
 
 

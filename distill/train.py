@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +44,7 @@ from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
 
 from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
-from .data import build_datasets, check_sources, collate_rows
+from .data import build_datasets, check_seq_len, check_sources, collate_rows
 from .elastic import Resume, ResumeError, elastic_checkpoint, fresh, plan, world_state
 from .local import distill_locally
 from .objective import DistillationObjective, metrics_from_sums
@@ -119,6 +120,36 @@ def init_swiftkv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
             model, share(opts.local_rows), opts.local_steps, opts.local_lr, device=accelerator.device
         )
         accelerator.print(f"local distillation: {stats}")
+
+
+def tokenizing_first(accelerator: Accelerator, cache_dir: str | None):
+    """The context the ranks build the data in: one main process per datasets cache folder goes first, the
+    other ranks then find its Arrow files.  Whether the folder is shared is looked at, not assumed: the main
+    process writes a marker file in it and every rank says whether it sees it.  Seen by all (one node, or a
+    cache on a filesystem every node mounts): the main process tokenizes, once per run.  Otherwise (node-local
+    caches): each node's local main process tokenizes into its own folder, once per node.  Mixed setups, where
+    only some nodes share a folder, are not detected: give every node its own folder, or all the same one."""
+    if accelerator.num_processes == 1:
+        return accelerator.main_process_first()
+    import datasets
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    folder = Path(os.path.expanduser(cache_dir or datasets.config.HF_DATASETS_CACHE))
+    marker = folder / f".shared-{broadcast_object_list([uuid.uuid4().hex])[0]}"
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    accelerator.wait_for_everyone()
+    shared = all(gather_object([marker.exists()]))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        marker.unlink()
+    accelerator.print(
+        "data: tokenized by the main process (the datasets cache is shared by every rank)"
+        if shared
+        else "data: tokenized by each node's main process (node-local datasets caches)"
+    )
+    return accelerator.main_process_first() if shared else accelerator.local_main_process_first()
 
 
 def load_model(recipe: Recipe, source: Path):
@@ -274,6 +305,7 @@ def setup(recipe: Recipe) -> Run:
     ckpt, start_step = resume.checkpoint, resume.step
     accelerator.gradient_accumulation_steps = resume.grad_accum  # the global batch of the checkpoint
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
+    check_seq_len(recipe.data, read_config(Path(recipe.model.source)).get("max_position_embeddings"))
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if resume.elastic:
@@ -287,7 +319,7 @@ def setup(recipe: Recipe) -> Run:
     out = Path(recipe.output_dir)
     source = converted_source(recipe, accelerator)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    with accelerator.main_process_first():
+    with tokenizing_first(accelerator, recipe.data.cache_dir):
         train_rows, eval_rows = build_datasets(
             recipe.data, tokenizer, read_config(source).get("max_position_embeddings")
         )

@@ -57,27 +57,34 @@ class Shape:
         return (self.layers - self.num_key_value_layers) // self.group_size
 
 
-def _qo_mlp(s: Shape) -> int:
+def projection_flops(s: Shape) -> int:
+    """Per token and layer: the q and o projections and the MLP (not k/v)."""
     return 2 * s.hidden * s.heads * s.head_dim * 2 + 3 * 2 * s.hidden * s.intermediate
 
 
-def _kv(s: Shape) -> int:
+def kv_flops(s: Shape) -> int:
+    """Per token and layer (or SwiftKV group): the k and v projections."""
     return 2 * 2 * s.hidden * s.kv_heads * s.head_dim
 
 
-def _attn(s: Shape, n: int) -> int:
+def attention_flops(s: Shape, n: int) -> int:
+    """One layer's causal attention (scores and weighted sum) over a sequence of ``n`` tokens."""
     return 2 * 2 * s.heads * s.head_dim * n * (n + 1) // 2
 
 
 def prefill_flops_original(s: Shape, n: int) -> int:
-    return n * s.layers * (_qo_mlp(s) + _kv(s)) + s.layers * _attn(s, n) + 2 * s.hidden * s.vocab
+    return (
+        n * s.layers * (projection_flops(s) + kv_flops(s))
+        + s.layers * attention_flops(s, n)
+        + 2 * s.hidden * s.vocab
+    )
 
 
 def prefill_flops_swiftkv(s: Shape, n: int) -> int:
     l = s.num_key_value_layers
-    lower = n * l * (_qo_mlp(s) + _kv(s)) + l * _attn(s, n)
-    swift_kv = n * _kv(s) * s.groups
-    upper = (s.layers - l) * (_qo_mlp(s) + 2 * 2 * s.heads * s.head_dim * n)
+    lower = n * l * (projection_flops(s) + kv_flops(s)) + l * attention_flops(s, n)
+    swift_kv = n * kv_flops(s) * s.groups
+    upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)
     return lower + swift_kv + upper + 2 * s.hidden * s.vocab
 
 

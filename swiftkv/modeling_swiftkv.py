@@ -366,12 +366,18 @@ class SwiftKVModelMixin:
 
     def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None):
         """Final normed hidden states of the teacher (original, no grad) and the student (SwiftKV), plus both
-        paths' input to the last layer, with layers < l computed once for both."""
-        prepared = self._prepare(
-            input_ids, attention_mask, position_ids, None, None, False, input_ids.shape[1]
-        )
+        paths' input to the last layer, with layers < l computed once for both.  Layers < l build no graph when
+        none of their weights (nor the embeddings) trains: activation checkpointing makes the embeddings'
+        output require grad, which would otherwise recompute them and backpropagate through them for nothing."""
         l = self.config.num_key_value_layers
-        x_l = self._run(self.layers[:l], prepared.hidden_states, prepared)
+        lower = [self.embed_tokens, *self.layers[:l]]
+        with torch.set_grad_enabled(
+            torch.is_grad_enabled() and any(p.requires_grad for m in lower for p in m.parameters())
+        ):
+            prepared = self._prepare(
+                input_ids, attention_mask, position_ids, None, None, False, input_ids.shape[1]
+            )
+            x_l = self._run(self.layers[:l], prepared.hidden_states, prepared)
         with torch.no_grad():
             t_last_in = self._run(self.layers[l:-1], x_l, prepared)
             teacher = self.norm(self._run(self.layers[-1:], t_last_in, prepared))
