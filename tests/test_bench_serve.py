@@ -1,0 +1,108 @@
+"""``scripts/bench_serve.py`` end to end in smoke mode, so it cannot rot: tiny checkpoints (built here, with the
+embedded SmolLM2 tokenizer) served by vLLM's OpenAI server on CPU, driven by vLLM's own benchmark client."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_base
+
+import swiftkv.convert
+from swiftkv.convert import read_config
+from swiftkv.flops import Shape, ideal_workload_speedup
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_serve.py"
+# head_dim 32: vLLM's CPU attention supports head sizes >= 32
+TINY = dict(num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2) -> tuple[Path, Path]:
+    from transformers import AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("bench-serve")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tiny_base("llama", **TINY, vocab_size=len(tokenizer)).save_pretrained(tmp / "base")
+    tokenizer.save_pretrained(tmp / "base")
+    model = swiftkv.convert.convert(tmp / "base", tmp / "skv", swiftkv_fraction=0.5)
+    tokenizer.save_pretrained(model)
+    return model, tmp / "base"
+
+
+def script(python: Path | str, *argv: str, tmp: Path) -> subprocess.CompletedProcess:
+    """The script as a user runs it, with this checkout's packages first on the path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    return subprocess.run(
+        [str(python), str(SCRIPT), *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.smollm2
+def test_load_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
+    model, original = checkpoints
+    out = tmp_path / "serve.json"
+    run = script(vllm_python, "load", str(model), str(original), "--smoke", "--out", str(out), tmp=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert sorted((r["workload"], r["model"]) for r in runs) == [
+        ("random", "original"), ("random", "swiftkv"), ("sharegpt", "original"), ("sharegpt", "swiftkv"),
+    ]  # fmt: skip
+    for r in runs:
+        assert r["rate"] == "inf" and r["completed"] == 2 and r["failed"] == 0 and r["errors"] == []
+        assert r["command"].startswith("vllm bench serve --backend vllm --base-url http://127.0.0.1:PORT")
+        if r["workload"] == "random":
+            assert r["input_lens"] == [128, 128] and r["output_lens"] == [16, 16]
+        else:  # held-out conversations cut to 96-160 tokens, a tenth of that generated (EOS ignored)
+            assert all(90 <= n <= 166 for n in r["input_lens"])
+            assert all(9 <= n <= 16 for n in r["output_lens"])
+    by = {(r["workload"], r["model"]): r for r in runs}
+    assert (
+        by["sharegpt", "original"]["input_lens"] == by["sharegpt", "swiftkv"]["input_lens"]
+    )  # same requests
+
+    shape = Shape.from_config(read_config(model))
+    for row in result["rows"]:
+        mine = by[row["workload"], "swiftkv"]
+        o, s = by[row["workload"], "original"], mine
+        assert row["throughput_ratio"] == pytest.approx(
+            s["total_token_throughput"] / o["total_token_throughput"]
+        )
+        assert row["tpot_ratio"] == pytest.approx(s["p50_tpot_ms"] / o["p50_tpot_ms"])
+        assert row["flop_ideal"] == pytest.approx(
+            ideal_workload_speedup(shape, zip(mine["input_lens"], mine["output_lens"], strict=True))
+        )
+        assert row["flop_ideal"] > 1.0
+    assert result["targets"]["no failed request"] == [0, True]
+    assert "| sharegpt | inf |" in run.stdout and "no failed request: 0 (met)" in run.stdout
+    assert all(gone(pid) for pid in result["meta"]["server_pids"].values())  # both process groups stopped
+    engine = result["meta"]["engine"]
+    assert "--no-enable-prefix-caching" in engine and "--enforce-eager" in engine
+
+    plot = script(sys.executable, "plot", str(out), tmp=tmp_path)  # where matplotlib is
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_rates_are_refused_in_one_line(tmp_path, tiny_llama_dir):
+    out = tmp_path / "x.json"
+    argv = ("load", str(tiny_llama_dir), str(tiny_llama_dir), "--rates", "0.5x,2", "--out", str(out))
+    run = script(sys.executable, *argv, tmp=tmp_path)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1
+    assert "add inf to --rates" in run.stderr and not out.exists()
