@@ -538,12 +538,9 @@ REFINE = (
 
 def suffix_spec(cache: Path | None) -> dict:
     """The speculative config: the cache's ``export-vllm`` settings, or vLLM's defaults for ``suffix``."""
-    if cache is None:
-        return {"method": "suffix"}
-    from eval.serving.suffix.artifact import read_meta, vllm_speculative_config
-    from eval.serving.suffix.cache import SpecConfig
+    from eval.serving.suffix.stages import export_vllm
 
-    return vllm_speculative_config(SpecConfig(**read_meta(cache)["config"]))
+    return {"method": "suffix"} if cache is None else export_vllm(cache)
 
 
 def check_arctic(env: dict[str, str]) -> None:
