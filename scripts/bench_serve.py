@@ -74,9 +74,10 @@ from swiftkv.cliargs import (
     run,
 )
 from swiftkv.convert import read_config
-from swiftkv.flops import Shape, ideal_workload_speedup
+from swiftkv.flops import Shape, ideal_workload_speedup, kv_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 START_TIMEOUT_S = 1200  # a compiled engine on a busy 2-core machine takes minutes
 SCALARS = (
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -221,9 +222,11 @@ def _warm_up(server: Server, engine: list[str]) -> None:
             response.read()
 
 
-def engine_argv(args: argparse.Namespace, max_model_len: int, prefix_caching: bool) -> list[str]:
-    """The engine flags every server of an experiment shares."""
-    argv = ["--dtype", args.dtype, "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
+def engine_argv(
+    args: argparse.Namespace, max_model_len: int, prefix_caching: bool, kv_bytes: int = 0
+) -> list[str]:
+    """The engine flags every server of an experiment shares (KV cache: ``kv_bytes``, else ``--kv-cache-mib``)."""
+    argv = ["--dtype", args.dtype, "--kv-cache-memory-bytes", str(kv_bytes or args.kv_cache_mib << 20),
             "--max-model-len", str(max_model_len), "--seed", "0"]  # fmt: skip
     argv += ["--enable-prefix-caching"] if prefix_caching else ["--no-enable-prefix-caching"]
     argv += ["--enforce-eager"] if args.enforce_eager else []
@@ -681,7 +684,9 @@ def run_ranking(args) -> str:
     if scores is not None:
         arms["ltr"] = [-round(s * PRIORITY_SCALE) for s in scores]
     work = Path(tempfile.mkdtemp(prefix="bench-serve-ranking-"))
-    engine = engine_argv(args, max(p + o for p, o in zip(prompt_lens, output_lens, strict=True)) + 64, False)
+    per_token = kv_bytes_per_token(Shape.from_config(read_config(args.model)), DTYPE_BYTES[args.dtype])
+    longest = max(p + o for p, o in zip(prompt_lens, output_lens, strict=True)) + 64
+    engine = engine_argv(args, longest, prefix_caching=False, kv_bytes=args.kv_tokens * per_token)
     engine += ["--max-num-batched-tokens", str(args.token_budget), "--max-num-seqs", str(args.max_batch)]
     configs = {"fcfs": engine, "priority": [*engine, "--scheduling-policy", "priority"]}
     runs = []
@@ -842,9 +847,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--rate", type=float, default=1.0, help="Poisson requests/s")
     p.add_argument("--token-budget", type=int, default=512, help="--max-num-batched-tokens")
     p.add_argument("--max-batch", type=int, default=32, help="--max-num-seqs")
+    p.add_argument(
+        "--kv-tokens", type=int, default=4096, help="KV cache size in tokens, small enough to queue"
+    )
     p.add_argument("--cost-model", type=existing_path, help="simulator cost model JSON (ranking calibrate)")
     p.add_argument("--repeats", type=int, default=3)
-    _engine_options(p, 256)
+    _engine_options(p, 0)
     add_out(p, "out/bench/serve-ranking.json")
     p.set_defaults(func=run_ranking)
 
