@@ -180,8 +180,12 @@ def server_env(work: Path, extra_path: Path | None = None) -> dict[str, str]:
     engine in its own process as in any deployment."""
     env = {**os.environ, **cpu_environment(work)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (ROOT, extra_path) if p)
+    env["PYTHONPATH"] = _pythonpath(extra_path)
     return env
+
+
+def _pythonpath(extra: Path | None) -> str:
+    return os.pathsep.join(str(p) for p in (ROOT, extra) if p)
 
 
 @contextlib.contextmanager
@@ -250,7 +254,7 @@ def bench_serve(server: Server, flags: list[str], log: Path) -> tuple[dict, list
     from vllm.benchmarks.serve import main
 
     argv = ["--backend", "vllm", "--base-url", server.url, "--model", server.name, "--tokenizer", str(server.model),
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm", "--save-detailed",
             *flags]  # fmt: skip
     args = client_parser().parse_args(argv)
     with open(log, "a") as out, contextlib.redirect_stdout(out):
@@ -468,7 +472,7 @@ def load_targets(rows: list[dict], runs: list[dict]) -> dict[str, Any]:
                 )
     failed = sum(r["failed"] for r in runs)
     targets["no failed request"] = (failed, failed == 0)
-    return targets  # fmt: skip
+    return targets
 
 
 def load_table(result: dict) -> str:
@@ -546,8 +550,9 @@ def suffix_spec(cache: Path | None) -> dict:
     return {"method": "suffix"} if cache is None else export_vllm(cache)
 
 
-def check_arctic(env: dict[str, str]) -> None:
+def check_arctic(site: Path | None) -> None:
     """vLLM's suffix method imports arctic-inference's C++ suffix tree; refuse early, in one line, without it."""
+    env = {**os.environ, "PYTHONPATH": _pythonpath(site)}
     probe = subprocess.run(
         [sys.executable, "-c", "from arctic_inference.suffix_decoding import SuffixDecodingCache"],
         env=env, capture_output=True, text=True,
@@ -568,10 +573,10 @@ def tasks(count: int, skip: int) -> list[str]:
 
 
 def run_suffix(args) -> str:
+    check_arctic(args.arctic_path)
+    spec = suffix_spec(args.cache)
     work = Path(tempfile.mkdtemp(prefix="bench-serve-suffix-"))
     env = server_env(work, args.arctic_path)
-    check_arctic(env)
-    spec = suffix_spec(args.cache)
     engine = engine_argv(args, args.max_model_len, prefix_caching=True)
     configs = {"plain": engine, "suffix": [*engine, "--speculative-config", json.dumps(spec)]}
     runs, agree, total = [], 0, 0
