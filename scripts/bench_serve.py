@@ -565,10 +565,13 @@ def check_arctic(site: Path | None) -> None:
         )
 
 
-def tasks(count: int, skip: int) -> list[str]:
+def tasks(count: int, skip: int, max_chars: int) -> list[str]:
+    """Held-out first user turns of 80 to ``max_chars`` characters, from the ``skip``-th on."""
     from swiftkv.assets import iter_prompts
 
-    found = (p.strip() for p in iter_prompts("sharegpt", split="heldout") if 80 <= len(p.strip()) <= 1200)
+    found = (
+        p.strip() for p in iter_prompts("sharegpt", split="heldout") if 80 <= len(p.strip()) <= max_chars
+    )
     return list(itertools.islice(found, skip, skip + count))
 
 
@@ -838,6 +841,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rate", type=float, default=math.inf)
     p.add_argument("--max-concurrency", type=int, default=2)
+    p.add_argument("--max-task-chars", type=int, default=1200, help="longest task text (default 1200)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     _engine_options(p, 1024)

@@ -100,6 +100,79 @@ def test_load_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.smollm2
+def test_ranking_smoke(checkpoints, vllm_python, tmp_path):
+    """FCFS, oracle and ranker priorities on the real server beside the simulator; every request generates its
+    trace's reply length."""
+    from test_vllm_args import trained_ranker
+
+    model, original = checkpoints
+    ranker = trained_ranker(
+        original, tmp_path / "ranker"
+    )  # a swiftkv-head on x_l, served through the conversion
+    out = tmp_path / "ranking.json"
+    argv = ("ranking", str(model), "--traces", str(tmp_path / "ranker-traces"), "--ranker", str(ranker),
+            "--requests", "4", "--rate", "8", "--repeats", "1", "--kv-tokens", "512", "--enforce-eager",
+            "--out", str(out))  # fmt: skip
+    run = script(vllm_python, *argv, tmp=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["arm"] for r in result["runs"]] == ["fcfs", "oracle", "ltr"]
+    traces = [
+        json.loads(line) for line in (tmp_path / "ranker-traces" / "traces.jsonl").read_text().splitlines()
+    ]
+    lengths = {t["output_len"] for t in traces}
+    for r in result["runs"]:
+        assert r["completed"] == 4 and r["failed"] == 0 and set(r["output_lens"]) <= lengths
+        assert r["mean_latency_s"] == pytest.approx(sum(r["latencies"]) / 4)
+    assert (
+        result["runs"][0]["output_lens"] == result["runs"][1]["output_lens"]
+    )  # the same requests for every arm
+    assert 512 <= result["meta"]["kv_tokens"] < 1024  # what the server reports for --kv-tokens 512
+    for arm in ("fcfs", "oracle", "ltr"):
+        assert result["rows"][arm]["sim_mean_latency_s"] > 0
+    assert "--scheduling-policy" not in result["meta"]["engine"]  # only the priority server adds it
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.smollm2
+def test_suffix_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
+    """vLLM's suffix method (arctic-inference's C++ tree, built outside the repository as for
+    tests/test_suffix_reference.py) against no speculation; greedy replies agree."""
+    site = os.environ.get("SUFFIX_REFERENCE_PATH")
+    if not site:
+        pytest.skip(
+            "SUFFIX_REFERENCE_PATH is not set (arctic-inference's suffix tree is built outside the repository)"
+        )
+    model, _ = checkpoints
+    out = tmp_path / "suffix.json"
+    argv = ("suffix", str(model), "--arctic-path", site, "--tasks", "2", "--rounds", "2", "--output-len", "16",
+            "--repeats", "1", "--max-task-chars", "300", "--max-model-len", "256", "--kv-cache-mib", "128",
+            "--enforce-eager", "--out", str(out))  # fmt: skip
+    run = script(vllm_python, *argv, tmp=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted((r["round"], r["model"]) for r in result["runs"]) == [
+        (0, "plain"), (0, "suffix"), (1, "plain"), (1, "suffix"),
+    ]  # fmt: skip
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in result["runs"])
+    assert (
+        result["rows"]["suffix"]["accepted_per_draft"] >= 0
+        and result["rows"]["plain"]["acceptance_rate"] == 0
+    )
+    assert result["meta"]["spec"] == {"method": "suffix"}
+
+
+def test_suffix_without_arctic_is_refused_in_one_line(tmp_path, tiny_llama_dir):
+    out = tmp_path / "x.json"
+    run = script(sys.executable, "suffix", str(tiny_llama_dir), "--out", str(out), tmp=tmp_path)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1
+    assert "needs arctic_inference.suffix_decoding" in run.stderr and not out.exists()
+
+
 def test_bad_rates_are_refused_in_one_line(tmp_path, tiny_llama_dir):
     out = tmp_path / "x.json"
     argv = ("load", str(tiny_llama_dir), str(tiny_llama_dir), "--rates", "0.5x,2", "--out", str(out))
