@@ -588,9 +588,8 @@ def run_suffix(args) -> str:
             k: stack.enter_context(serving(k, args.model, argv, work, env)) for k, argv in configs.items()
         }
         for repeat in range(args.repeats):
-            todo = tasks(
-                args.tasks, repeat * args.tasks
-            )  # new tasks each repeat: vLLM's tree keeps old answers
+            # new tasks each repeat: vLLM's global tree keeps the answers it served
+            todo = tasks(args.tasks, repeat * args.tasks, args.max_task_chars)
             prompts = list(todo)
             for round_ in range(args.rounds):
                 path = write_jsonl(work / f"r{repeat}-{round_}.jsonl",

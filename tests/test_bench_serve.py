@@ -43,12 +43,16 @@ def script(python: Path | str, *argv: str, tmp: Path) -> subprocess.CompletedPro
     )
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def gone(group: int) -> bool:
+    """No live process (zombies waiting for their reaper aside) is left in process group ``group``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, ...
+            return False
+    return True
 
 
 @pytest.mark.slow
