@@ -48,6 +48,7 @@ import random
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -376,7 +377,7 @@ def run_load(args) -> str:
             "rates like 0.5x are multiples of the saturated rate (to resolve, add inf to --rates)"
         )
     rates = sorted(args.rates, key=lambda r: r != "inf")  # the saturated run first: it calibrates the others
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    work = args.work
     workloads = load_workloads(args, AutoTokenizer.from_pretrained(args.model), work)
     longest = max(args.sharegpt_len[1] * (1 + 1 / args.ratio), sum(args.random_len))
     engine = engine_argv(args, int(longest) + 64, prefix_caching=False)
@@ -578,7 +579,7 @@ def tasks(count: int, skip: int, max_chars: int) -> list[str]:
 def run_suffix(args) -> str:
     check_arctic(args.arctic_path)
     spec = suffix_spec(args.cache)
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-suffix-"))
+    work = args.work
     env = server_env(work, args.arctic_path)
     engine = engine_argv(args, args.max_model_len, prefix_caching=True)
     configs = {"plain": engine, "suffix": [*engine, "--speculative-config", json.dumps(spec)]}
@@ -690,7 +691,7 @@ def run_ranking(args) -> str:
     arms = {"fcfs": None, "oracle": list(output_lens)}  # oracle: the true length as priority, shortest first
     if scores is not None:
         arms["ltr"] = [-round(s * PRIORITY_SCALE) for s in scores]
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-ranking-"))
+    work = args.work
     per_token = kv_bytes_per_token(Shape.from_config(read_config(args.model)), DTYPE_BYTES[args.dtype])
     longest = max(p + o for p, o in zip(prompt_lens, output_lens, strict=True)) + 64
     engine = engine_argv(args, longest, prefix_caching=False, kv_bytes=args.kv_tokens * per_token)
@@ -774,7 +775,9 @@ def run_ranking(args) -> str:
 
 
 def _meta(args, engine: list[str], **extra) -> dict:
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"}
+    options = {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "work")
+    }
     return dict(options, engine=engine, date=time.strftime("%Y-%m-%d %H:%M"), load_average=os.getloadavg(),
                 command=" ".join(sys.argv), **extra)  # fmt: skip
 
@@ -882,7 +885,20 @@ def _command(args) -> str:
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
     )  # `timeout` and kill: unwind, stopping the servers
-    return args.func(args)
+    if args.command == "plot":
+        return args.func(args)
+    # servers' logs, their caches and sockets, the client's log and datasets: kept only when the run fails
+    args.work = Path(tempfile.mkdtemp(prefix=f"bench-serve-{args.command}-"))
+    try:
+        text = args.func(args)
+    except BaseException:
+        if any(args.work.iterdir()):
+            print(f"server and client logs kept in {args.work}", file=sys.stderr)
+        else:  # refused before any work
+            args.work.rmdir()
+        raise
+    shutil.rmtree(args.work, ignore_errors=True)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
