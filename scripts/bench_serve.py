@@ -457,20 +457,18 @@ def load_rows(runs: list[dict], shape: Shape) -> list[dict]:
 
 
 def load_targets(rows: list[dict], runs: list[dict]) -> dict[str, Any]:
-    """The issue's targets at saturation: throughput >= 0.9 x FLOP-ideal, TPOT p50 <= 0.7 x the original's on the
-    10:1 workload, no failed request."""
+    """The issue's targets: saturated (inf) throughput >= 0.9 x FLOP-ideal; TPOT p50 <= 0.7 x the original's on the
+    10:1 workload, at every rate (a burst at inf prefills everything first, so its TPOT is mostly the decode tail;
+    Poisson arrivals at the original's saturated rate keep prefills beside the decodes); no failed request."""
     targets: dict[str, Any] = {}
     for row in rows:
         if row["rate"] == "inf":
-            targets[f"{row['workload']}: throughput >= 0.9 x FLOP-ideal"] = (
-                round(row["of_ideal"], 3),
-                row["of_ideal"] >= 0.9,
-            )
-            if row["workload"] == "sharegpt":
-                targets[f"{row['workload']}: TPOT p50 <= 0.7 x original"] = (
-                    round(row["tpot_ratio"], 3),
-                    row["tpot_ratio"] <= 0.7,
-                )
+            name = f"{row['workload']} at inf: throughput >= 0.9 x FLOP-ideal"
+            targets[name] = (round(row["of_ideal"], 3), row["of_ideal"] >= 0.9)
+    for row in rows:
+        if row["workload"] == "sharegpt":
+            name = f"sharegpt at {row['rate']}: TPOT p50 <= 0.7 x original"
+            targets[name] = (round(row["tpot_ratio"], 3), row["tpot_ratio"] <= 0.7)
     failed = sum(r["failed"] for r in runs)
     targets["no failed request"] = (failed, failed == 0)
     return targets
@@ -525,6 +523,7 @@ def plot_load(result: dict, path: Path) -> Path:
                 title=workload, xlabel="offered request rate (req/s; rightmost: all at once)", ylabel=ylabel
             )
             ax.set_xticks(sorted(xs), [("inf" if x == at_inf else f"{x:.2g}") for x in sorted(xs)])
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             ax.legend()
     fig.suptitle("vLLM OpenAI server under load, vllm bench serve: SwiftKV vs original", fontsize=10)
@@ -818,9 +817,9 @@ def build_parser() -> ArgumentParser:
     add_model(p, "original", help="the original checkpoint it came from")
     p.add_argument("--workloads", type=lambda t: t.split(","), default=["sharegpt", "random"],
                    help="sharegpt (held-out, extended, 10:1) and/or random (default both)")  # fmt: skip
-    p.add_argument("--rates", type=rate_list, default=["0.5x", "1x", "inf"],
-                   help="Poisson rates: inf, req/s, or multiples of the original's saturated rate (default 0.5x,1x,inf)")  # fmt: skip
-    p.add_argument("--num-prompts", type=int, default=8, help="requests per run (default 8)")
+    p.add_argument("--rates", type=rate_list, default=["1x", "1.5x", "inf"],
+                   help="Poisson rates: inf, req/s, or multiples of the original's saturated rate (default 1x,1.5x,inf)")  # fmt: skip
+    p.add_argument("--num-prompts", type=int, default=16, help="requests per run (default 16)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sharegpt-len", type=_pair, default=(1024, 4096), help="prompt tokens, low:high")
     p.add_argument("--ratio", type=float, default=10.0, help="prompt:output of the sharegpt workload")
