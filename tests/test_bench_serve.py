@@ -108,32 +108,35 @@ def test_load_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
 @pytest.mark.vllm
 @pytest.mark.smollm2
 def test_ranking_smoke(checkpoints, vllm_python, tmp_path):
-    """FCFS, oracle and ranker priorities on the real server beside the simulator; every request generates its
-    trace's reply length."""
+    """Ranker scores from the core venv; FCFS, oracle and ranker priorities on the real server beside the
+    simulator; every request generates its trace's reply length."""
     from test_vllm_args import trained_ranker
+
+    from eval.serving.ranking.predictors import Ranker
 
     model, original = checkpoints
     ranker = trained_ranker(
         original, tmp_path / "ranker"
     )  # a swiftkv-head on x_l, served through the conversion
+    scored = tmp_path / "requests.jsonl"
+    argv = ("scores", str(ranker), str(tmp_path / "ranker-traces"), "--model", str(model), "--requests", "4",
+            "--out", str(scored))  # fmt: skip
+    run = script(sys.executable, *argv, tmp=tmp_path)  # the core venv, as a user runs it
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in scored.read_text().splitlines()]
+    expected = Ranker(ranker, model).score([r["prompt"] for r in rows])
+    assert [r["score"] for r in rows] == pytest.approx(expected.tolist())
     out = tmp_path / "ranking.json"
-    argv = ("ranking", str(model), "--traces", str(tmp_path / "ranker-traces"), "--ranker", str(ranker),
-            "--requests", "4", "--rate", "8", "--repeats", "1", "--kv-tokens", "512", "--enforce-eager",
-            "--out", str(out))  # fmt: skip
+    argv = ("ranking", str(model), "--traces", str(scored), "--requests", "4", "--rate", "8", "--repeats", "1",
+            "--kv-tokens", "512", "--enforce-eager", "--out", str(out))  # fmt: skip
     run = script(vllm_python, *argv, tmp=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["arm"] for r in result["runs"]] == ["fcfs", "oracle", "ltr"]
-    traces = [
-        json.loads(line) for line in (tmp_path / "ranker-traces" / "traces.jsonl").read_text().splitlines()
-    ]
-    lengths = {t["output_len"] for t in traces}
-    for r in result["runs"]:
-        assert r["completed"] == 4 and r["failed"] == 0 and set(r["output_lens"]) <= lengths
+    lengths = sorted(r["output_len"] for r in rows)
+    for r in result["runs"]:  # every request generated exactly its trace's reply length
+        assert r["completed"] == 4 and r["failed"] == 0 and sorted(r["output_lens"]) == lengths
         assert r["mean_latency_s"] == pytest.approx(sum(r["latencies"]) / 4)
-    assert (
-        result["runs"][0]["output_lens"] == result["runs"][1]["output_lens"]
-    )  # the same requests for every arm
     assert 512 <= result["meta"]["kv_tokens"] < 1024  # what the server reports for --kv-tokens 512
     for arm in ("fcfs", "oracle", "ltr"):
         assert result["rows"][arm]["sim_mean_latency_s"] > 0
