@@ -882,7 +882,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--token-budget", type=int, default=512, help="--max-num-batched-tokens")
     p.add_argument("--max-batch", type=int, default=32, help="--max-num-seqs")
     p.add_argument(
-        "--kv-tokens", type=int, default=4096, help="KV cache size in tokens, small enough to queue"
+        "--kv-tokens",
+        type=int,
+        default=4096,
+        help="KV cache in tokens of the config (small enough that requests queue); vLLM reports what it got",
     )
     p.add_argument("--cost-model", type=existing_path, help="simulator cost model JSON (ranking calibrate)")
     p.add_argument("--repeats", type=int, default=3)
