@@ -209,7 +209,8 @@ def serving(label: str, model: Path, engine: list[str], work: Path, env: dict[st
         server = Server(label, model, name, port, process, log)
         try:
             if server.ready(START_TIMEOUT_S):
-                print(f"{label} server up on {server.url} ({model})", file=sys.stderr, flush=True)
+                print(f"{label} server (process group {process.pid}) up on {server.url} ({model})", file=sys.stderr,
+                      flush=True)  # fmt: skip
                 _warm_up(server, engine)
                 yield server
                 return
