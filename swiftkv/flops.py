@@ -13,12 +13,19 @@ Original prefill = n·L·proj + L·attn(n) + head.  SwiftKV prefill = n·l·proj
 (one query row per later layer) + head.  The FLOP-ideal speedup is their ratio.  Norms, RoPE and softmax
 are ignored (<1% here).
 
+A served request of p prompt and o output tokens costs its prefill (which yields the first output token) and
+o − 1 decode steps; the step after c cached tokens runs every layer on one token, attends over c + 1 keys in
+each, and computes its logits: L·proj + L·2·2·H·d·(c+1) + head for the original, the same with the k/v
+projections of layers ≥ l replaced by the G group projections from x_l for SwiftKV.  A workload's FLOP-ideal
+throughput ratio is the sum over its requests of the original's FLOPs over SwiftKV's.
+
 KV bytes per token: 2·K·d·bytes per cache slot; the original has L slots, SwiftKV l + G.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,11 @@ class Shape:
     def groups(self) -> int:
         return (self.layers - self.num_key_value_layers) // self.group_size
 
+    @property
+    def original(self) -> Shape:
+        """The same model without SwiftKV layers (l = L): every function here then counts the original."""
+        return replace(self, num_key_value_layers=self.layers, group_size=1)
+
 
 def projection_flops(s: Shape) -> int:
     """Per token and layer: the q and o projections and the MLP (not k/v)."""
@@ -86,6 +98,36 @@ def prefill_flops_swiftkv(s: Shape, n: int) -> int:
     swift_kv = n * kv_flops(s) * s.groups
     upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)
     return lower + swift_kv + upper + 2 * s.hidden * s.vocab
+
+
+def _decode_token(s: Shape) -> int:
+    """A decode step without its attention: projections (SwiftKV: the group K/V from x_l) and the logits."""
+    kv = (s.num_key_value_layers + s.groups) * _kv(s)
+    return s.layers * _qo_mlp(s) + kv + 2 * s.hidden * s.vocab
+
+
+def decode_flops(s: Shape, context: int) -> int:
+    """One decode step after ``context`` cached tokens (SwiftKV when ``s`` has SwiftKV layers)."""
+    return _decode_token(s) + s.layers * 2 * 2 * s.heads * s.head_dim * (context + 1)
+
+
+def request_flops(s: Shape, prompt: int, output: int) -> int:
+    """Prefill of ``prompt`` tokens (its logits give the first output token), then ``output - 1`` decode steps."""
+    steps = max(output - 1, 0)
+    keys = steps * prompt + steps * (steps + 1) // 2  # sum of c + 1 over c = prompt .. prompt + steps - 1
+    return (
+        prefill_flops_swiftkv(s, prompt)
+        + steps * _decode_token(s)
+        + s.layers * 2 * 2 * s.heads * s.head_dim * keys
+    )
+
+
+def ideal_workload_speedup(s: Shape, requests: Iterable[tuple[int, int]]) -> float:
+    """The original's FLOPs over SwiftKV's for (prompt, output) token counts: the compute-bound throughput ratio."""
+    requests = list(requests)
+    return sum(request_flops(s.original, p, o) for p, o in requests) / sum(
+        request_flops(s, p, o) for p, o in requests
+    )
 
 
 def ideal_prefill_speedup(s: Shape, n: int) -> float:

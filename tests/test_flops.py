@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_base
 from test_swiftkv_model import to_swiftkv
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import DynamicCache
 
 from swiftkv.flops import (
     Shape,
+    decode_flops,
     ideal_prefill_speedup,
+    ideal_workload_speedup,
     kv_bytes_per_token,
     prefill_flops_original,
     prefill_flops_swiftkv,
+    request_flops,
 )
 
 
@@ -35,6 +40,40 @@ def test_prefill_flops_match_torch_counter():
         assert _measured(model, n) == prefill_flops_swiftkv(s, n) + s.num_key_value_layers * square
 
 
+def _served(model, prompt: int, output: int) -> tuple[int, int]:
+    """FLOPs of a prefill (last row's logits) and of the ``output - 1`` decode steps after it, counted by torch."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(3, 128, (1, prompt + output))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(ids[:, :prompt], cache=cache, use_cache=True, logits_to_keep=1)
+    prefill = counter.get_total_flops()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        for i in range(prompt, prompt + output - 1):
+            model(ids[:, i : i + 1], cache=cache, use_cache=True)
+    return prefill, counter.get_total_flops()
+
+
+@pytest.mark.parametrize("l, g", [(2, 2), (3, 1)])
+def test_served_request_flops_match_torch_counter(l, g):
+    base = tiny_base("llama")
+    model = to_swiftkv(base, l=l, g=g)
+    for m in (base, model):
+        m.set_attn_implementation("eager")
+    s = Shape.from_config(model.config)
+    assert s.original == Shape.from_config(base.config)
+    prompt, output = 9, 5
+    for m, shape, lower in ((base, s.original, s.layers), (model, s, l)):
+        prefill, decode = _served(m, prompt, output)
+        square = 2 * 2 * s.heads * s.head_dim * (prompt * prompt - prompt * (prompt + 1) // 2)  # eager's waste
+        assert prefill == prefill_flops_swiftkv(shape, prompt) + lower * square
+        assert decode == sum(decode_flops(shape, c) for c in range(prompt, prompt + output - 1))
+        assert request_flops(shape, prompt, output) == prefill + decode - lower * square
+    assert prefill_flops_swiftkv(s.original, prompt) == prefill_flops_original(s, prompt)
+    ratio = ideal_workload_speedup(s, [(prompt, output), (3, 1)])
+    total = request_flops(s.original, prompt, output) + request_flops(s.original, 3, 1)
+    assert ratio == total / (request_flops(s, prompt, output) + request_flops(s, 3, 1))
+
+
 def test_ideal_speedup_and_kv_bytes():
     cfg = dict(
         num_hidden_layers=32,
@@ -50,3 +89,6 @@ def test_ideal_speedup_and_kv_bytes():
     assert 1.8 < ideal_prefill_speedup(half, 2048) < 2.0
     assert kv_bytes_per_token(full) == 32 * 2 * 8 * 128 * 2
     assert kv_bytes_per_token(half) / kv_bytes_per_token(half, swiftkv=False) == (16 + 8) / 32
+    # decode costs both models about the same, so a 10:1 workload gains less than its prefill alone
+    assert 1.0 < ideal_workload_speedup(half, [(2048, 205)]) < ideal_prefill_speedup(half, 2048)
+    assert ideal_workload_speedup(half, [(2048, 1)]) == ideal_prefill_speedup(half, 2048)

@@ -225,6 +225,19 @@ def test_ranker_dir_is_portable_and_checks_the_model_it_reads(tiny_model, synthe
         Ranker(moved_ranker, moved_model)
 
 
+def test_swiftkv_head_reads_the_served_swiftkv_checkpoint(tiny_model, synthetic_traces, tmp_path):
+    """A head trained on the original scores prompts identically through its SwiftKV conversion (the layers below l,
+    hence x_l, are the original's), loaded by transformers' AutoModel without remote code."""
+    import swiftkv.convert
+
+    out = train_ranker(synthetic_traces, tmp_path / "ranker", TrainConfig(epochs=1, list_size=16))
+    served = swiftkv.convert.convert(tiny_model, tmp_path / "swiftkv", swiftkv_fraction=0.5)
+    prompts = [t.prompt for t in load_traces(synthetic_traces)[:6]]
+    np.testing.assert_allclose(
+        Ranker(out, served).score(prompts), Ranker(out, tiny_model).score(prompts), rtol=1e-5
+    )
+
+
 @pytest.fixture(scope="module")
 def two_eos_model(tiny_model, tmp_path_factory) -> Path:
     """The tiny model made to answer "now" (id 14) at once; generation_config ends turns on <eos> or "now"."""

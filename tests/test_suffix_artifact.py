@@ -178,11 +178,53 @@ def test_cli_build_generate_export(tmp_path, tiny_llama_dir, capsys):
     assert captured.err.strip().splitlines() == [
         "warning: vLLM ignores the 2 pre-built responses (vLLM starts with an empty global tree)"
     ]
-    assert spec == {
-        "method": "suffix",
-        "num_speculative_tokens": 4,
-        "suffix_decoding_max_tree_depth": 64,
-        "suffix_decoding_max_spec_factor": 1.0,
-        "suffix_decoding_min_token_prob": 0.1,
-        "suffix_decoding_max_cached_requests": 10000,
+    # only what vLLM reads and where it differs from vLLM's defaults (depth 24; draft cap = depth)
+    assert spec == {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 64}
+
+
+def test_vllm_export_writes_only_what_differs_from_vllm():
+    from eval.serving.suffix.artifact import VLLM_KEYS, vllm_speculative_config
+
+    vllm_defaults = SpecConfig(
+        max_depth=24, max_spec=24, factor=1.0, min_token_prob=0.1, max_cached_requests=10_000
+    )
+    assert vllm_speculative_config(vllm_defaults) == {"method": "suffix"}
+    changed = vllm_defaults.model_copy(
+        update=dict(max_depth=32, factor=0.5, min_token_prob=0.2, max_cached_requests=7)
+    )
+    assert vllm_speculative_config(changed) == {
+        "method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 32,
+        "suffix_decoding_max_spec_factor": 0.5, "suffix_decoding_min_token_prob": 0.2,
+        "suffix_decoding_max_cached_requests": 7,
+    }  # fmt: skip
+    assert set(VLLM_KEYS) < set(vllm_speculative_config(changed))
+    # settings vLLM has no key for never reach it
+    assert vllm_speculative_config(vllm_defaults.model_copy(update=dict(offset=2.0, mode="tree"))) == {
+        "method": "suffix"
     }
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # imports vLLM in its venv
+def test_vllm_reads_these_keys_with_these_defaults(vllm_python):
+    """The installed vLLM's own config fields and proposer: the keys it reads and their defaults are ours."""
+    import subprocess
+
+    from eval.serving.suffix.artifact import VLLM_KEYS
+
+    script = """
+import dataclasses, inspect, json, re
+from vllm.config.speculative import SpeculativeConfig
+from vllm.v1.spec_decode import suffix_decoding
+fields = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig) if f.name.startswith("suffix_decoding_")}
+read = sorted(set(re.findall(r"config\\.(suffix_decoding_\\w+)", inspect.getsource(suffix_decoding))))
+print(json.dumps([fields, read, inspect.getsource(SpeculativeConfig._validate_suffix_decoding)]))
+"""
+    run = subprocess.run([str(vllm_python), "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    fields, read, validate = json.loads(run.stdout.strip().splitlines()[-1])
+    assert fields == {key: default for key, (_, default) in VLLM_KEYS.items()}
+    assert read == sorted(VLLM_KEYS)
+    # an unset draft cap becomes the tree depth; the method still needs arctic-inference
+    assert "self.num_speculative_tokens = self.suffix_decoding_max_tree_depth" in validate
+    assert "has_arctic_inference()" in validate

@@ -258,22 +258,32 @@ def load_cache(
     return SuffixCache(config or SpecConfig(**meta["config"]), tree)
 
 
+# What vLLM's ``suffix`` method reads, with vLLM's defaults: vLLM key -> (our SpecConfig field, vLLM default).
+# From vllm/config/speculative.py and vllm/v1/spec_decode/suffix_decoding.py (identical in vLLM 0.32 and 0.33);
+# num_speculative_tokens, the cap on draft tokens per step, defaults to the tree depth.  vLLM still runs
+# arctic-inference's C++ suffix tree (and refuses the method without it).
 VLLM_KEYS = {
-    "num_speculative_tokens": "max_spec",
-    "suffix_decoding_max_tree_depth": "max_depth",
-    "suffix_decoding_max_spec_factor": "factor",
-    "suffix_decoding_min_token_prob": "min_token_prob",
-    "suffix_decoding_max_cached_requests": "max_cached_requests",
+    "suffix_decoding_max_tree_depth": ("max_depth", 24),
+    "suffix_decoding_max_spec_factor": ("factor", 1.0),
+    "suffix_decoding_min_token_prob": ("min_token_prob", 0.1),
+    "suffix_decoding_max_cached_requests": ("max_cached_requests", 10_000),
 }
 
 
 def vllm_speculative_config(config: SpecConfig) -> dict[str, Any]:
-    """vLLM ``speculative_config`` for method "suffix" with the same settings.
+    """vLLM ``speculative_config`` for method "suffix" with the same settings: the keys vLLM reads, each only
+    where the setting differs from vLLM's default.
 
     vLLM has no offset or tree-mode setting and cannot preload a global tree: it starts empty and fills it
-    with the responses it serves.
+    with the responses it serves (:func:`vllm_dropped_settings` names what a cache loses).
     """
-    return {"method": "suffix", **{key: getattr(config, attr) for key, attr in VLLM_KEYS.items()}}
+    spec: dict[str, Any] = {"method": "suffix"}
+    if config.max_spec != config.max_depth:
+        spec["num_speculative_tokens"] = config.max_spec
+    for key, (attr, default) in VLLM_KEYS.items():
+        if getattr(config, attr) != default:
+            spec[key] = getattr(config, attr)
+    return spec
 
 
 def vllm_dropped_settings(meta: dict[str, Any]) -> list[str]:
