@@ -473,12 +473,13 @@ def export(run: Run, metrics: dict) -> Path:
     return run.out / "model"
 
 
-def train(recipe: Recipe) -> Path:
-    """Run (or resume) a distillation and return the exported model folder."""
-    return loop(setup(recipe))
+def train(recipe: Recipe, end_training: bool = True) -> Path:
+    """Run (or resume) a distillation and return the exported model folder.  ``end_training=False`` keeps
+    the process group for another run in the same processes (``distill.sweep``)."""
+    return loop(setup(recipe), end_training)
 
 
-def loop(run: Run) -> Path:
+def loop(run: Run, end_training: bool = True) -> Path:
     """The training loop of a set-up run, the final held-out metrics and the export."""
     acc, cfg = run.accelerator, run.recipe
     log_path = run.out / "log.jsonl"
@@ -561,5 +562,6 @@ def loop(run: Run) -> Path:
     if acc.is_main_process:
         write_json_atomic(run.out / "final_metrics.json", metrics)
     path = export(run, metrics)
-    acc.end_training()
+    if end_training:
+        acc.end_training()
     return path
