@@ -126,9 +126,24 @@ class OptimSection(_Section):
     lr: float = Field(2e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    schedule: Literal["linear", "cosine", "constant", "wsd"] = Field(
+        "linear",
+        description="after the warmup: linear or cosine decay to 0, constant, or wsd (warmup-stable-decay: "
+        "constant, then a linear decay to 0 over the last decay_ratio of the steps)",
+    )
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps in the final decay")
     grad_clip: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _decay_fits(self):
+        if "decay_ratio" in self.model_fields_set and self.schedule != "wsd":
+            raise ValueError(f"decay_ratio applies to schedule wsd only (this schedule is {self.schedule})")
+        if self.schedule == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
+            raise ValueError(
+                f"warmup_ratio {self.warmup_ratio} + decay_ratio {self.decay_ratio} exceed 1 (no steps left)"
+            )
+        return self
 
 
 class LoraOptions(_Section):

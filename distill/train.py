@@ -170,10 +170,13 @@ class Run:
 
 def _schedule(recipe: Recipe, max_steps: int):
     warmup = math.ceil(recipe.optim.warmup_ratio * max_steps)
+    decay = max(1, min(max_steps - warmup, round(recipe.optim.decay_ratio * max_steps)))
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
+        if recipe.optim.schedule == "wsd":  # stable, then linear to 0 over the last `decay` steps
+            return min(1.0, max(0.0, (max_steps - step) / decay))
         progress = (step - warmup) / max(1, max_steps - warmup)
         if recipe.optim.schedule == "linear":
             return max(0.0, 1.0 - progress)
