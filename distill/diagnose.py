@@ -394,6 +394,10 @@ def _kv_means(errors: list[float], upper: range, layers: list[int]) -> str:
     return f"{sum(k) / len(k):.3f} / {sum(v) / len(v):.3f}"
 
 
+def _name(block: list[int]) -> str:
+    return f"{block[0]}–{block[-1]}" if len(block) > 1 else str(block[0])
+
+
 def report_lines(result: dict) -> list[str]:
     """The oracle and probe tables in markdown."""
     oracle, l, n = result["oracle"], result["num_key_value_layers"], result["num_layers"]
@@ -420,8 +424,7 @@ def report_lines(result: dict) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for block in result["blocks"]:
-        name = f"{block[0]}–{block[-1]}" if len(block) > 1 else str(block[0])
-        lines.append(row(name, oracle[f"kv_{block[0]}"], oracle[f"kv_q_{block[0]}"]))
+        lines.append(row(_name(block), oracle[f"kv_{block[0]}"], oracle[f"kv_q_{block[0]}"]))
     lines.append(row(f"all ({l}–{n - 1})", oracle["all_kv"], oracle["all_kv_q"]))
     probes, upper = result["probes"], range(l, n)
     names = [("checkpoint", "checkpoint's K/V projections"), ("linear", "linear (ridge)")]
@@ -432,7 +435,7 @@ def report_lines(result: dict) -> list[str]:
         "Probes: held-out relative error of the teacher's pre-RoPE keys / values predicted from norm_swiftkv(x_l), "
         "mean over the layers of each block (fit error in parentheses, all layers).",
         "",
-        "| predictor | " + " | ".join(f"{b[0]}–{b[-1]} K / V" for b in result["blocks"]) + " | all K / V |",
+        "| predictor | " + " | ".join(f"{_name(b)} K / V" for b in result["blocks"]) + " | all K / V |",
         "|---|" + "---|" * (len(result["blocks"]) + 1),
     ]
     for key, label in names:
