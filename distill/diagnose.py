@@ -260,7 +260,13 @@ def _recipe_of(checkpoint: Path, recipe: Path | None, overrides: list[str]):
         )
     if overrides:
         raise UsageError("key=value overrides need --recipe (to resolve, pass the recipe they apply to)")
-    return Recipe.model_validate(saved)
+    try:
+        return Recipe.model_validate(saved)
+    except ValueError as e:  # pydantic's ValidationError: a recipe of another toolkit version
+        first = str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else str(e)
+        raise UsageError(
+            f"{checkpoint}'s recorded recipe does not validate ({first}) (to resolve, pass --recipe)"
+        ) from None
 
 
 def _blocks(upper: range, block_layers: int) -> list[list[int]]:

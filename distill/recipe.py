@@ -48,7 +48,6 @@ class SwiftKVOptions(_Section):
     local_rows: int = Field(
         64, ge=1, description="training rows (of data.seq_len tokens) for local distillation"
     )
-
     @model_validator(mode="after")
     def _one_of(self):
         if (self.num_key_value_layers is None) == (self.fraction is None):
@@ -132,13 +131,16 @@ class OptimSection(_Section):
         "constant, then a linear decay to 0 over the last decay_ratio of the steps)",
     )
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
-    decay_ratio: float = Field(0.2, gt=0, le=1, description="wsd: share of the steps in the final decay")
+    decay_ratio: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="wsd only: share of the steps in the final decay (other schedules ignore it)",
+    )
     grad_clip: float | None = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _decay_fits(self):
-        if "decay_ratio" in self.model_fields_set and self.schedule != "wsd":
-            raise ValueError(f"decay_ratio applies to schedule wsd only (this schedule is {self.schedule})")
         if self.schedule == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
             raise ValueError(
                 f"warmup_ratio {self.warmup_ratio} + decay_ratio {self.decay_ratio} exceed 1 (no steps left)"
