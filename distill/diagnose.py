@@ -139,9 +139,9 @@ def probe_errors(
     neighbours: int = 4,
     ridge: float = 1e-3,
     mlp_hidden: int = 1024,
-    mlp_steps: int = 300,
-    mlp_batch: int = 512,
-    mlp_lr: float = 1e-3,
+    mlp_steps: int = 600,
+    mlp_batch: int = 1024,
+    mlp_lr: float = 3e-3,
     seed: int = 0,
 ) -> dict[str, dict[str, list[float]]]:
     """Held-out (and fit) relative errors per target block of the three probes (module docstring)."""
@@ -280,11 +280,11 @@ def diagnose(
     recipe: str | Path | None = None,
     overrides: list[str] = (),
     block_layers: int | None = None,
-    fit_rows: int = 32,
+    fit_rows: int = 96,
     eval_rows: int | None = None,
     neighbours: int = 4,
     mlp_hidden: int = 1024,
-    mlp_steps: int = 300,
+    mlp_steps: int = 600,
     seed: int = 0,
 ) -> dict:
     """The oracle and probe tables of a SwiftKV checkpoint (module docstring), written to ``out`` if given.
@@ -469,10 +469,10 @@ def build_parser():
     parser.add_argument(
         "--block-layers", type=int, help="SwiftKV layers per oracle block (default: 5 blocks)"
     )
-    parser.add_argument("--fit-rows", type=int, default=32, help="training rows the probes are fitted on")
+    parser.add_argument("--fit-rows", type=int, default=96, help="training rows the probes are fitted on")
     parser.add_argument("--neighbours", type=int, default=4, help="tokens the context probe sees (1: off)")
     parser.add_argument("--mlp-hidden", type=int, default=1024, help="hidden width of the MLP probe")
-    parser.add_argument("--mlp-steps", type=int, default=300, help="Adam steps of the MLP probe (0: off)")
+    parser.add_argument("--mlp-steps", type=int, default=600, help="Adam steps of the MLP probe (0: off)")
     add_limit(parser, None, "held-out rows (default: the trainer's log.eval_batches x micro_batch_size)")
     add_out(parser, required=False, help="folder for diagnosis.{json,md} (default: print only)")
     return parser
