@@ -11,7 +11,7 @@ and K KV heads of size d, MLP width I, vocab V:
 Original prefill = n·L·proj + L·attn(n) + head.  SwiftKV prefill = n·l·proj + l·attn(n)
 + n·(2·2·h·K·d)·G (the K/V of the G AcrossKV groups from x_l) + (L−l)·[proj without k/v + 2·2·H·d·n]
 (one query row per later layer) + head.  The FLOP-ideal speedup is their ratio.  Norms, RoPE and softmax
-are ignored (<1% here).
+are ignored (<1% here).  A K/V MLP of width M (``swiftkv_kv_mlp``) adds n·(2·h·M + 2·M·2·K·d·G).
 
 KV bytes per token: 2·K·d·bytes per cache slot; the original has L slots, SwiftKV l + G.
 """
@@ -34,6 +34,7 @@ class Shape:
     vocab: int
     num_key_value_layers: int
     group_size: int = 1
+    kv_mlp: int = 0
 
     @classmethod
     def from_config(cls, config) -> Shape:
@@ -50,6 +51,7 @@ class Shape:
             vocab=get("vocab_size"),
             num_key_value_layers=get("num_key_value_layers") or layers,
             group_size=get("key_value_group_size") or 1,
+            kv_mlp=get("swiftkv_kv_mlp") or 0,
         )
 
     @property
@@ -76,7 +78,7 @@ def prefill_flops_original(s: Shape, n: int) -> int:
 def prefill_flops_swiftkv(s: Shape, n: int) -> int:
     l = s.num_key_value_layers
     lower = n * l * (_qo_mlp(s) + _kv(s)) + l * _attn(s, n)
-    swift_kv = n * _kv(s) * s.groups
+    swift_kv = n * (_kv(s) * s.groups + 2 * s.kv_mlp * (s.hidden + 2 * s.kv_heads * s.head_dim * s.groups))
     upper = (s.layers - l) * (_qo_mlp(s) + 2 * 2 * s.heads * s.head_dim * n)
     return lower + swift_kv + upper + 2 * s.hidden * s.vocab
 
