@@ -1,5 +1,7 @@
-"""``python -m distill RECIPE.yaml [key=value ...]`` (also under ``accelerate launch -m distill``), and
-``python -m distill check RECIPE.yaml ...`` (recipe + data + memory plan, see ``distill.check``)."""
+"""``python -m distill RECIPE.yaml [key=value ...]`` (also under ``accelerate launch -m distill``),
+``python -m distill check RECIPE.yaml ...`` (recipe + data + memory plan, see ``distill.check``) and
+``python -m distill sweep MODEL --fractions ... --budget-tokens N --out DIR`` (``distill.sweep``) and
+``python -m distill diagnose CHECKPOINT`` (where the student's error comes from, ``distill.diagnose``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from swiftkv.cliargs import ArgumentParser, add_model, run
 EPILOG = """examples:
   python -m distill recipes/swiftkv_smollm2_cpu.yaml train.max_steps=50 output_dir=out/x
   python -m distill check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
+  python -m distill sweep MODEL --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
   accelerate launch --config_file recipes/accelerate/cpu_2proc_zero2.yaml -m distill recipes/swiftkv_smollm2_cpu.yaml
   accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill recipes/swiftkv_llama3.1_8b.yaml
 """
@@ -18,7 +21,8 @@ EPILOG = """examples:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m distill",
-        description="SwiftKV knowledge-preserving distillation (`python -m distill check --help` for the plan).",
+        description="SwiftKV knowledge-preserving distillation (`python -m distill check --help` for the plan, "
+        "`python -m distill sweep --help` to choose the fraction).",
         epilog=EPILOG,
     )
     add_model(parser, "recipe", help="YAML recipe")
@@ -43,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         from .check import main as check
 
         return check(argv[1:])
+    if argv[:1] == ["sweep"]:
+        from .sweep import main as sweep
+
+        return sweep(argv[1:])
+    if argv[:1] == ["diagnose"]:
+        from .diagnose import main as diagnose
+
+        return diagnose(argv[1:])
     return run(_distill, build_parser(), argv)
 
 

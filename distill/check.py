@@ -38,7 +38,7 @@ EPILOG = """examples:
 """
 
 
-class _Parser(ArgumentParser):
+class IntermixedParser(ArgumentParser):
     """Overrides may come before or after the options (``RECIPE --config X key=value``)."""
 
     def parse_args(self, args=None, namespace=None):
@@ -46,7 +46,7 @@ class _Parser(ArgumentParser):
 
 
 def build_parser() -> ArgumentParser:
-    parser = _Parser(
+    parser = IntermixedParser(
         prog="python -m distill check",
         description="Validate a distillation recipe, its data and its per-GPU memory plan (no weights loaded).",
         epilog=EPILOG,

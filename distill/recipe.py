@@ -48,6 +48,12 @@ class SwiftKVOptions(_Section):
     local_rows: int = Field(
         64, ge=1, description="training rows (of data.seq_len tokens) for local distillation"
     )
+    kv_mlp: int = Field(
+        0,
+        ge=0,
+        description="hidden width of a residual MLP from norm_swiftkv(x_l) to every group's K/V, trained with "
+        "the projections (starts at zero; adds tensors and prefill FLOPs, see swiftkv.flops); 0: none",
+    )
 
     @model_validator(mode="after")
     def _one_of(self):
@@ -134,9 +140,27 @@ class OptimSection(_Section):
     lr: float = Field(2e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    schedule: Literal["linear", "cosine", "constant", "wsd"] = Field(
+        "linear",
+        description="after the warmup: linear or cosine decay to 0, constant, or wsd (warmup-stable-decay: "
+        "constant, then a linear decay to 0 over the last decay_ratio of the steps)",
+    )
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    decay_ratio: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="wsd only: share of the steps in the final decay (other schedules ignore it)",
+    )
     grad_clip: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _decay_fits(self):
+        if self.schedule == "wsd" and self.warmup_ratio + self.decay_ratio > 1:
+            raise ValueError(
+                f"warmup_ratio {self.warmup_ratio} + decay_ratio {self.decay_ratio} exceed 1 (no steps left)"
+            )
+        return self
 
 
 class LoraOptions(_Section):

@@ -153,9 +153,16 @@ def tokenizing_first(accelerator: Accelerator, cache_dir: str | None):
 
 
 def load_model(recipe: Recipe, source: Path):
-    """The SwiftKV model in student mode."""
+    """The SwiftKV model in student mode (a fresh conversion with the recipe's K/V MLP, if any)."""
+    opts = recipe.model.swiftkv
+    extra = (
+        {"swiftkv_kv_mlp": opts.kv_mlp} if opts and opts.kv_mlp and source == _converted_dir(recipe) else {}
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=getattr(torch, recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
+        source,
+        dtype=getattr(torch, recipe.model.dtype),
+        attn_implementation=recipe.model.attn_implementation,
+        **extra,
     )
     model.set_mode("student")
     return model
@@ -208,10 +215,13 @@ class Run:
 
 def _schedule(recipe: Recipe, max_steps: int):
     warmup = math.ceil(recipe.optim.warmup_ratio * max_steps)
+    decay = max(1, min(max_steps - warmup, round(recipe.optim.decay_ratio * max_steps)))
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
+        if recipe.optim.schedule == "wsd":  # stable, then linear to 0 over the last `decay` steps
+            return min(1.0, max(0.0, (max_steps - step) / decay))
         progress = (step - warmup) / max(1, max_steps - warmup)
         if recipe.optim.schedule == "linear":
             return max(0.0, 1.0 - progress)
@@ -560,12 +570,13 @@ def export(run: Run, metrics: dict) -> Path:
     return run.out / "model"
 
 
-def train(recipe: Recipe) -> Path:
-    """Run (or resume) a distillation and return the exported model folder."""
-    return loop(setup(recipe))
+def train(recipe: Recipe, end_training: bool = True) -> Path:
+    """Run (or resume) a distillation and return the exported model folder.  ``end_training=False`` keeps
+    the process group for another run in the same processes (``distill.sweep``)."""
+    return loop(setup(recipe), end_training)
 
 
-def loop(run: Run) -> Path:
+def loop(run: Run, end_training: bool = True) -> Path:
     """The training loop of a set-up run, the final held-out metrics and the export."""
     acc, cfg = run.accelerator, run.recipe
     log_path = run.out / "log.jsonl"
@@ -654,5 +665,6 @@ def loop(run: Run) -> Path:
     if acc.is_main_process:
         write_json_atomic(run.out / "final_metrics.json", metrics)
     path = export(run, metrics)
-    acc.end_training()
+    if end_training:
+        acc.end_training()
     return path
