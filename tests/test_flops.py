@@ -64,9 +64,8 @@ def test_served_request_flops_match_torch_counter(l, g):
     prompt, output = 9, 5
     for m, shape, lower in ((base, s.original, s.layers), (model, s, l)):
         prefill, decode = _served(m, prompt, output)
-        square = (
-            2 * 2 * s.heads * s.head_dim * (prompt * prompt - prompt * (prompt + 1) // 2)
-        )  # eager's waste
+        # eager's waste: the full square of scores, not the causal triangle
+        square = 2 * 2 * s.heads * s.head_dim * (prompt * prompt - prompt * (prompt + 1) // 2)
         assert prefill == prefill_flops_swiftkv(shape, prompt) + lower * square
         assert decode == sum(decode_flops(shape, c) for c in range(prompt, prompt + output - 1))
         assert request_flops(shape, prompt, output) == prefill + decode - lower * square
