@@ -69,13 +69,17 @@ def _converted_dir(recipe: Recipe) -> Path:
     return Path(recipe.output_dir) / "converted"
 
 
-def converted_source(recipe: Recipe, accelerator: Accelerator) -> Path:
-    """The SwiftKV checkpoint to start from.  A base source is first converted on disk into
-    ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
-    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization.  ``model.source`` may be a
-    Hub id (fetched once, by the main process, into the Hugging Face cache)."""
+def source_folder(recipe: Recipe, accelerator: Accelerator) -> Path:
+    """``model.source`` on this machine: a folder as given, a Hub id fetched once, by the main process, into
+    the Hugging Face cache."""
     with accelerator.main_process_first():
-        source = open_checkpoint(recipe.model.source).path
+        return open_checkpoint(recipe.model.source).path
+
+
+def converted_source(recipe: Recipe, accelerator: Accelerator, source: Path) -> Path:
+    """The SwiftKV checkpoint to start from, given the source folder.  A base source is first converted on
+    disk into ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
+    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization."""
     config = read_config(source)
     if "num_key_value_layers" in config:
         return source
@@ -315,7 +319,8 @@ def setup(recipe: Recipe) -> Run:
     ckpt, start_step = resume.checkpoint, resume.step
     accelerator.gradient_accumulation_steps = resume.grad_accum  # the global batch of the checkpoint
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
-    check_seq_len(recipe.data, read_config(Path(recipe.model.source)).get("max_position_embeddings"))
+    base = source_folder(recipe, accelerator)
+    check_seq_len(recipe.data, read_config(base).get("max_position_embeddings"))  # before the conversion
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if resume.elastic:
@@ -327,7 +332,7 @@ def setup(recipe: Recipe) -> Run:
         ds_plugin.deepspeed_config["gradient_clipping"] = recipe.optim.grad_clip or 0.0
     set_seed(recipe.train.seed)
     out = Path(recipe.output_dir)
-    source = converted_source(recipe, accelerator)
+    source = converted_source(recipe, accelerator, base)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with tokenizing_first(accelerator, recipe.data.cache_dir):
         train_rows, eval_rows = build_datasets(

@@ -103,9 +103,9 @@ def install(at: str, folder: Path, rank: int) -> None:
         real_step = torch.optim.lr_scheduler.LambdaLR.step
         watched: dict[int, int] = {}  # id(the run's scheduler) -> the step its next call completes
 
-        def loop(run):
+        def loop(run, *args, **kwargs):
             watched[id(run.scheduler)] = run.start_step + 1
-            return real_loop(run)
+            return real_loop(run, *args, **kwargs)
 
         def step(self, *args, **kwargs):  # on the class: the scheduler's own state_dict stays untouched
             if id(self) in watched:

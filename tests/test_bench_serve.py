@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_base
+from conftest import NO_SUFFIX_REFERENCE, tiny_base
 
 import swiftkv.convert
 from swiftkv.convert import read_config
@@ -199,9 +199,7 @@ def test_suffix_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
     tests/test_suffix_reference.py) against no speculation; greedy replies agree."""
     site = os.environ.get("SUFFIX_REFERENCE_PATH")
     if not site:
-        pytest.skip(
-            "SUFFIX_REFERENCE_PATH is not set (arctic-inference's suffix tree is built outside the repository)"
-        )
+        pytest.skip(NO_SUFFIX_REFERENCE)
     model, _ = checkpoints
     out = tmp_path / "suffix.json"
     argv = ("suffix", str(model), "--arctic-path", site, "--tasks", "2", "--rounds", "2", "--output-len", "16",

@@ -129,7 +129,9 @@ def test_entry_point_exits_with_the_status_main_returns(path):
     raises = [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.Raise) and ast.unparse(n.exc).startswith("SystemExit(main(")
+        if isinstance(n, ast.Raise)
+        and n.exc is not None
+        and ast.unparse(n.exc).startswith("SystemExit(main(")
     ]
     calls = [
         ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)

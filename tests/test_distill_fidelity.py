@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_base
+from tiny_chat import byte_tokenizer
 
 from distill.data import DataError, check_sources, load_source
 from distill.objective import DistillationObjective
@@ -125,6 +126,7 @@ def test_rows_longer_than_the_models_positions_are_refused_before_any_work(
     longer than the model's positions is refused in one line before the base model is converted."""
     from distill.__main__ import main
 
+    byte_tokenizer().save_pretrained(tiny_llama_dir)  # a complete model: only the sequence length is wrong
     out = tmp_path / "out"
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

@@ -13,6 +13,7 @@ import random
 import sys
 
 import pytest
+from conftest import NO_SUFFIX_REFERENCE
 
 from eval.serving.suffix.cache import SpecConfig, SuffixCache, compiled_available
 
@@ -21,7 +22,7 @@ from eval.serving.suffix.cache import SpecConfig, SuffixCache, compiled_availabl
 def reference():
     path = os.environ.get("SUFFIX_REFERENCE_PATH")
     if not path:
-        pytest.skip("SUFFIX_REFERENCE_PATH is not set (the C++ reference is built outside the repository)")
+        pytest.skip(NO_SUFFIX_REFERENCE)
     sys.path.insert(0, path)
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
