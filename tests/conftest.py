@@ -180,6 +180,20 @@ def conversations(n: int) -> list[dict]:
 CONVERSATIONS = conversations(40)
 
 
+def tiny_chat_base(tokenizer, family: str = "llama"):
+    """A tiny random ``family`` model sized for ``tokenizer``, with peaked output distributions (initializer
+    range 0.2), so that a teacher-student KL is measurable."""
+    return tiny_base(
+        family,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        initializer_range=0.2,
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
     """A tiny random Llama with the embedded SmolLM2 tokenizer (so chat templates are real)."""
@@ -187,16 +201,7 @@ def tiny_chat_model(tmp_path_factory, smollm2) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-chat")
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    base = tiny_base(
-        "llama",
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )  # peaked distributions, so teacher-student KL is measurable
-    base.save_pretrained(path)
+    tiny_chat_base(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

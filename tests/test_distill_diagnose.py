@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_base
+from conftest import tiny_chat_base
 
 from distill.diagnose import ProbeData, context_features, diagnose, main, probe_errors, report_lines
 
@@ -73,16 +73,7 @@ def swiftkv_chat_model(tmp_path: Path, smollm2: Path, family: str, l: int, g: in
     from swiftkv.convert import save_pretrained_swiftkv, to_swiftkv
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    base = tiny_base(
-        family,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
-    model = to_swiftkv(base, l, g)
+    model = to_swiftkv(tiny_chat_base(tokenizer, family), l, g)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "_proj_swiftkv" in name:
