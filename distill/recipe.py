@@ -48,12 +48,6 @@ class SwiftKVOptions(_Section):
     local_rows: int = Field(
         64, ge=1, description="training rows (of data.seq_len tokens) for local distillation"
     )
-    kv_mlp: int = Field(
-        0,
-        ge=0,
-        description="hidden width of a residual MLP from norm_swiftkv(x_l) to every group's K/V, trained with "
-        "the projections (starts at zero; adds tensors and prefill FLOPs, see swiftkv.flops); 0: none",
-    )
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -107,13 +107,8 @@ def _initial_kl(out: Path) -> float | None:
 def _result(recipe: Recipe, config: dict, l: int, prefill_tokens: int, steps: int, step_tokens: int) -> dict:
     out = Path(recipe.output_dir)
     final = json.loads((out / "final_metrics.json").read_text())
-    opts = recipe.model.swiftkv
-    layout = {
-        "num_key_value_layers": l,
-        "key_value_group_size": opts.group_size,
-        "swiftkv_kv_mlp": opts.kv_mlp,
-    }
-    shape = Shape.from_config({**config, **layout})
+    g = recipe.model.swiftkv.group_size
+    shape = Shape.from_config({**config, "num_key_value_layers": l, "key_value_group_size": g})
     base = Shape.from_config({**config, "num_key_value_layers": config["num_hidden_layers"]})
     return {
         "num_key_value_layers": l,

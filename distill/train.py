@@ -157,16 +157,9 @@ def tokenizing_first(accelerator: Accelerator, cache_dir: str | None):
 
 
 def load_model(recipe: Recipe, source: Path):
-    """The SwiftKV model in student mode (a fresh conversion with the recipe's K/V MLP, if any)."""
-    opts = recipe.model.swiftkv
-    extra = (
-        {"swiftkv_kv_mlp": opts.kv_mlp} if opts and opts.kv_mlp and source == _converted_dir(recipe) else {}
-    )
+    """The SwiftKV model in student mode."""
     model = AutoModelForCausalLM.from_pretrained(
-        source,
-        dtype=getattr(torch, recipe.model.dtype),
-        attn_implementation=recipe.model.attn_implementation,
-        **extra,
+        source, dtype=getattr(torch, recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
     )
     model.set_mode("student")
     return model

@@ -3,8 +3,6 @@
 ``num_key_value_layers`` (l): layers 0..l-1 are normal; layers l..L-1 take their K/V from the input of layer l.
 ``key_value_group_size`` (g): AcrossKV, consecutive SwiftKV layers share one K/V in groups of g.
 ``swiftkv``: True runs the SwiftKV path (student); False runs the exact original model (teacher).
-``swiftkv_kv_mlp``: hidden width of an optional residual MLP from ``norm_swiftkv(x_l)`` to every group's K/V
-(``kv_up_proj_swiftkv`` shared, ``kv_down_proj_swiftkv`` per group leader); 0 (the default): none, and no tensors.
 
 This file travels with every checkpoint for ``trust_remote_code`` loading, so it imports only transformers (and huggingface_hub,
 which transformers itself requires).
@@ -28,8 +26,6 @@ class _SwiftKVValidation:
             raise ValueError(
                 f"num_key_value_layers={l} is outside [1, {num_layers}] (num_hidden_layers={num_layers})"
             )
-        if self.swiftkv_kv_mlp < 0:
-            raise ValueError(f"swiftkv_kv_mlp={self.swiftkv_kv_mlp} must be >= 0 (0: no K/V MLP)")
         if g < 1 or (num_layers - l) % g != 0:
             raise ValueError(
                 f"key_value_group_size={g} must divide the {num_layers - l} SwiftKV layers "
@@ -40,14 +36,6 @@ class _SwiftKVValidation:
                 raise ValueError(
                     f"SwiftKV supports full attention layers only, got layer type {layer_type!r}"
                 )
-
-    def to_diff_dict(self) -> dict:
-        """As saved in config.json: without ``swiftkv_kv_mlp`` when there is no K/V MLP, so such checkpoints keep
-        the format older readers know."""
-        out = super().to_diff_dict()
-        if not out.get("swiftkv_kv_mlp"):
-            out.pop("swiftkv_kv_mlp", None)
-        return out
 
     @property
     def num_swiftkv_groups(self) -> int:
@@ -67,7 +55,6 @@ class LlamaSwiftKVConfig(_SwiftKVValidation, LlamaConfig):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
-    swiftkv_kv_mlp: int = 0
 
 
 @strict
@@ -76,7 +63,6 @@ class Qwen2SwiftKVConfig(_SwiftKVValidation, Qwen2Config):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
-    swiftkv_kv_mlp: int = 0
 
 
 @strict
@@ -85,4 +71,3 @@ class Qwen3SwiftKVConfig(_SwiftKVValidation, Qwen3Config):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
-    swiftkv_kv_mlp: int = 0

@@ -11,7 +11,7 @@ and K KV heads of size d, MLP width I, vocab V:
 Original prefill = n·L·proj + L·attn(n) + head.  SwiftKV prefill = n·l·proj + l·attn(n)
 + n·(2·2·h·K·d)·G (the K/V of the G AcrossKV groups from x_l) + (L−l)·[proj without k/v + 2·2·H·d·n]
 (one query row per later layer) + head.  The FLOP-ideal speedup is their ratio.  Norms, RoPE and softmax
-are ignored (<1% here).  A K/V MLP of width M (``swiftkv_kv_mlp``) adds n·(2·h·M + 2·M·2·K·d·G).
+are ignored (<1% here).
 
 A served request of p prompt and o output tokens costs its prefill (which yields the first output token) and
 o − 1 decode steps; the step after c cached tokens runs every layer on one token, attends over c + 1 keys in
@@ -41,7 +41,6 @@ class Shape:
     vocab: int
     num_key_value_layers: int
     group_size: int = 1
-    kv_mlp: int = 0
 
     @classmethod
     def from_config(cls, config) -> Shape:
@@ -58,7 +57,6 @@ class Shape:
             vocab=get("vocab_size"),
             num_key_value_layers=get("num_key_value_layers") or layers,
             group_size=get("key_value_group_size") or 1,
-            kv_mlp=get("swiftkv_kv_mlp") or 0,
         )
 
     @property
@@ -68,7 +66,7 @@ class Shape:
     @property
     def original(self) -> Shape:
         """The same model without SwiftKV layers (l = L): every function here then counts the original."""
-        return replace(self, num_key_value_layers=self.layers, group_size=1, kv_mlp=0)
+        return replace(self, num_key_value_layers=self.layers, group_size=1)
 
 
 def projection_flops(s: Shape) -> int:
@@ -79,11 +77,6 @@ def projection_flops(s: Shape) -> int:
 def kv_flops(s: Shape) -> int:
     """Per token and layer (or SwiftKV group): the k and v projections."""
     return 2 * 2 * s.hidden * s.kv_heads * s.head_dim
-
-
-def kv_mlp_flops(s: Shape) -> int:
-    """Per token: the optional K/V MLP of width ``kv_mlp`` from x_l to every group's K/V (0 when off)."""
-    return 2 * s.kv_mlp * (s.hidden + 2 * s.kv_heads * s.head_dim * s.groups)
 
 
 def attention_flops(s: Shape, n: int) -> int:
@@ -102,14 +95,14 @@ def prefill_flops_original(s: Shape, n: int) -> int:
 def prefill_flops_swiftkv(s: Shape, n: int) -> int:
     l = s.num_key_value_layers
     lower = n * l * (projection_flops(s) + kv_flops(s)) + l * attention_flops(s, n)
-    swift_kv = n * (kv_flops(s) * s.groups + kv_mlp_flops(s))
+    swift_kv = n * kv_flops(s) * s.groups
     upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)
     return lower + swift_kv + upper + 2 * s.hidden * s.vocab
 
 
 def _decode_token(s: Shape) -> int:
     """A decode step without its attention: projections (SwiftKV: the group K/V from x_l) and the logits."""
-    kv = (s.num_key_value_layers + s.groups) * kv_flops(s) + kv_mlp_flops(s)
+    kv = (s.num_key_value_layers + s.groups) * kv_flops(s)
     return s.layers * projection_flops(s) + kv + 2 * s.hidden * s.vocab
 
 

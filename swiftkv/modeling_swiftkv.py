@@ -36,7 +36,6 @@ from itertools import groupby
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -101,10 +100,6 @@ class SwiftKVAttentionMixin:
             self.q_norm_swiftkv = like(head_norm)
         if (layer_idx - l) % g == 0:
             self.k_proj_swiftkv, self.v_proj_swiftkv = like(self.k_proj), like(self.v_proj)
-            if config.swiftkv_kv_mlp:  # the group's share of the K/V MLP (starts at zero: see _init_weights)
-                width = self.k_proj.out_features + self.v_proj.out_features
-                self.kv_down_proj_swiftkv = nn.Linear(config.swiftkv_kv_mlp, width, bias=False)
-                self.kv_down_proj_swiftkv.swiftkv_zero_init = True
             if head_norm is not None:
                 self.k_norm_swiftkv = like(self.k_norm)
 
@@ -195,17 +190,7 @@ def _mask_for_last_rows(mask, rows: int):
     return mask
 
 
-class _ZeroInitKVMLP:
-    """``_init_weights`` that starts a newly added K/V MLP's down projections at zero, so a checkpoint given a
-    K/V MLP computes exactly what it did without one until the MLP trains."""
-
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if getattr(module, "swiftkv_zero_init", False):
-            nn.init.zeros_(module.weight)
-
-
-class SwiftKVModelMixin(_ZeroInitKVMLP):
+class SwiftKVModelMixin:
     """The base family's model with ``norm_swiftkv`` and the skip-ahead forward."""
 
     decoder_layer_class: type[nn.Module]
@@ -216,9 +201,6 @@ class SwiftKVModelMixin(_ZeroInitKVMLP):
             [self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm_swiftkv = type(self.norm)(config.hidden_size, eps=config.rms_norm_eps)
-        if config.swiftkv_kv_mlp:
-            self.kv_up_proj_swiftkv = nn.Linear(config.hidden_size, config.swiftkv_kv_mlp, bias=False)
-            self.kv_act_swiftkv = ACT2FN[config.hidden_act]
         self._fused_kv = None
         self.post_init()
 
@@ -253,8 +235,7 @@ class SwiftKVModelMixin(_ZeroInitKVMLP):
         return super().train(mode)
 
     def _project_kv(self, h: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each group's K and V projections of ``h`` ([batch, seq, kv_heads * head_dim]), on its leader's device,
-        plus the K/V MLP's share when the config has one."""
+        """Each group's K and V projections of ``h`` ([batch, seq, kv_heads * head_dim]), on its leader's device."""
         projs = [(attn.k_proj_swiftkv, attn.v_proj_swiftkv) for attn in self.kv_leaders]
         if (
             torch.is_grad_enabled()
@@ -262,22 +243,12 @@ class SwiftKVModelMixin(_ZeroInitKVMLP):
             or not all(_materialized(p) for pair in projs for p in pair)
         ):
             # autograd, or weights that exist only inside their module's forward: call each module
-            out = [(k_proj(h), v_proj(h)) for k_proj, v_proj in projs]
-        else:
-            out = []
-            for weight, bias, groups in self._fused_kv_projections():
-                kv = nn.functional.linear(h.to(weight.device), weight, bias).chunk(2 * groups, -1)
-                out += zip(kv[0::2], kv[1::2], strict=True)
-        if not self.config.swiftkv_kv_mlp:
-            return out
-        hidden = self.kv_act_swiftkv(self.kv_up_proj_swiftkv(h))
-        mixed = []
-        for attn, (key, value) in zip(self.kv_leaders, out, strict=True):
-            extra_k, extra_v = attn.kv_down_proj_swiftkv(hidden.to(key.device)).split(
-                [key.shape[-1], value.shape[-1]], -1
-            )
-            mixed.append((key + extra_k, value + extra_v))
-        return mixed
+            return [(k_proj(h), v_proj(h)) for k_proj, v_proj in projs]
+        out = []
+        for weight, bias, groups in self._fused_kv_projections():
+            kv = nn.functional.linear(h.to(weight.device), weight, bias).chunk(2 * groups, -1)
+            out += zip(kv[0::2], kv[1::2], strict=True)
+        return out
 
     def swiftkv_key_values(
         self, x_l: torch.Tensor, prepared: _Prepared
@@ -416,7 +387,7 @@ class SwiftKVModelMixin(_ZeroInitKVMLP):
         return teacher, student, t_last_in, s_last_in
 
 
-class SwiftKVForCausalLMMixin(_ZeroInitKVMLP):
+class SwiftKVForCausalLMMixin:
     """The base family's causal LM on the SwiftKV model, plus the small interface distillation uses."""
 
     model_class: type[nn.Module]

@@ -377,7 +377,7 @@ def test_config_hook_decides_fast_prefill(monkeypatch, config, env, fast_prefill
     assert (fast_prefill_reason(config) is None) is fast_prefill
 
 
-def test_config_hook_refuses_bad_switches_pooling_and_a_kv_mlp(monkeypatch):
+def test_config_hook_refuses_bad_switches_and_pooling(monkeypatch):
     monkeypatch.setenv(FAST_PREFILL_ENV, "yes")
     with pytest.raises(ValueError, match=r"SWIFTKV_FAST_PREFILL='yes' is not 0 or 1 \(to resolve"):
         SwiftKVConfigHook.verify_and_update_config(engine_config())
@@ -386,8 +386,6 @@ def test_config_hook_refuses_bad_switches_pooling_and_a_kv_mlp(monkeypatch):
         SwiftKVConfigHook.verify_and_update_config(engine_config(swiftkv_fast_prefill="no"))
     with pytest.raises(ValueError, match="cannot run as a pooling model.*SWIFTKV_FAST_PREFILL=0"):
         SwiftKVConfigHook.verify_and_update_config(engine_config(runner="pooling"))
-    with pytest.raises(ValueError, match=r"has a K/V MLP \(swiftkv_kv_mlp=64\).*distill without"):
-        SwiftKVConfigHook.verify_and_update_config(engine_config(swiftkv_kv_mlp=64))
     monkeypatch.setenv(FAST_PREFILL_ENV, "0")
     SwiftKVConfigHook.verify_and_update_config(pooling := engine_config(runner="pooling"))
     assert pooling.cache_config.kv_sharing_fast_prefill is False  # every row through every layer: allowed

@@ -92,12 +92,6 @@ class SwiftKVConfigHook:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        kv_mlp = getattr(vllm_config.model_config.hf_config, "swiftkv_kv_mlp", 0)
-        if kv_mlp:  # vLLM's loader would skip its tensors: the served K/V would silently differ from training
-            raise ValueError(
-                f"this SwiftKV checkpoint has a K/V MLP (swiftkv_kv_mlp={kv_mlp}), which the vLLM plugin does not "
-                "serve (to resolve, serve it with transformers, or distill without model.swiftkv.kv_mlp)"
-            )
         reason = fast_prefill_reason(vllm_config)
         runner = getattr(vllm_config.model_config, "runner_type", "generate")
         if reason is None and runner == "pooling":
