@@ -200,7 +200,9 @@ def _command(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(_command, build_parser(), argv)
+    from .job import LaunchError
+
+    return run(_command, build_parser(), argv, errors=(LaunchError,))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ QUICK = dict(
 )
 
 
+class LaunchError(RuntimeError):
+    """A distillation under ``accelerate launch`` failed; its own error is on stderr above this one."""
+
+
 def job_settings(quick: bool, fractions: list[float] | None, distill_steps: int | None) -> dict:
     """The job's settings: the full or quick preset with the user's overrides, validated."""
     cfg = dict(QUICK if quick else FULL, quick=quick)
@@ -190,7 +194,9 @@ def run_job(
         loaded = load_recipe_or_usage(recipe_file, overrides)
         command = ["-m", "distill", str(recipe_file), *overrides]
         if launch is not None:
-            command = ["-m", "accelerate.commands.launch", "--config_file", str(launch), *command]
+            # --quiet: a failed one-process launch shows the distillation's error, not the launcher's trace
+            launcher = ["-m", "accelerate.commands.launch", "--quiet", "--config_file", str(launch)]
+            command = [*launcher, *command]
         commands.append(shlex.join(["python", *command]))
         key, result = run_stage(
             run_dir,
@@ -267,7 +273,13 @@ def _distill(recipe, command: list[str] | None = None) -> dict:
     if command is None:
         model_dir = train(recipe)
     else:
-        subprocess.run([sys.executable, *command], check=True)
+        status = subprocess.run([sys.executable, *command]).returncode
+        if status != 0:
+            raise LaunchError(
+                f"the distillation into {recipe.output_dir} failed under accelerate launch (exit status "
+                f"{status}) (to resolve, fix the error printed above and rerun the job: the finished stages "
+                "are skipped and the distillation resumes from its last checkpoint)"
+            )
         model_dir = Path(recipe.output_dir) / "model"
     out = Path(recipe.output_dir)
     final = json.loads((out / "final_metrics.json").read_text())

@@ -2,7 +2,7 @@
 unrelated folder, so CI catches a missing install step or package data), then a rerun from the checkout that
 skips every stage; the README's wrapper ``scripts/demo.py`` is the same command.  And the job on a model of
 the user's own, named by its Hub id (found offline in a local cache), distilled under ``accelerate launch``
-and evaluated in bfloat16."""
+and evaluated in bfloat16; a launch that fails ends in one line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from hub_cache import add_to_cache
 from huggingface_hub import ModelCard
 from tiny_chat import save_chat_model
 
+from eval.__main__ import main
+from eval.job import DEFAULT_RECIPE, RECIPES
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # what `pip install .` needs from the checkout (the tests, docs and scripts are not part of the package)
@@ -34,6 +37,7 @@ NOT_PACKAGED = (
     "docs",
     "scripts",
 )
+ONE_PROCESS = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
 
 
 def installed_python(tmp_path: Path) -> Path:
@@ -117,9 +121,7 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
     home = tmp_path / "hf"
     commit = add_to_cache(home / "hub", "acme/tiny-chat", save_chat_model(tmp_path / "upload"))
     out, launch = tmp_path / "run", tmp_path / "one_process.yaml"
-    launch.write_text(
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
-    )
+    launch.write_text(ONE_PROCESS)
     cmd = ["-m", "eval", "run", "acme/tiny-chat", "--quick", "--dtype", "bfloat16", "--launch", str(launch)]
     cmd += ["--out", str(out)]
     env = {**ENV, "HF_HOME": str(home)}
@@ -138,7 +140,7 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
     assert swift["quality"]["dtype"] == "bfloat16" and swift["quality"]["kl"] > 0
     assert run["commands"][0].endswith(f"acme/tiny-chat --dtype bfloat16 --launch {launch} --quick")
     assert run["commands"][1].startswith(
-        f"python -m accelerate.commands.launch --config_file {launch} -m distill "
+        f"python -m accelerate.commands.launch --quiet --config_file {launch} -m distill "
     )
     assert (
         swift["distill"]["eval_kl"] > 0 and len(swift["distill"]["curve"]) == 2
@@ -148,3 +150,24 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
     assert card.data.base_model == "acme/tiny-chat"
     assert "`python -m eval run` (bfloat16 on cpu)" in card.text
     assert f"| kl | {swift['quality']['kl']:.4g} |" in card.text
+
+
+@pytest.mark.smollm2  # the job's held-out data is the embedded ShareGPT
+def test_a_failed_launch_ends_in_one_line_below_the_distillations_own(sharegpt, tmp_path, capfd):
+    recipe, launch = tmp_path / "powersgd.yaml", tmp_path / "one_process.yaml"
+    # a DDP hook on one process: the launched distillation refuses it in one line, before any work
+    recipe.write_text((RECIPES / DEFAULT_RECIPE).read_text() + "comm: {hook: powersgd}\n")
+    launch.write_text(ONE_PROCESS)
+    model, out = save_chat_model(tmp_path / "tiny"), tmp_path / "run"
+    argv = ["run", str(model), "--quick", "--recipe", str(recipe), "--launch", str(launch), "--out", str(out)]
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    *_, child, last = err.strip().splitlines()
+    assert child.startswith("error: comm.hook=powersgd (staleness 0) cannot run on one process (to resolve, ")
+    assert last == (
+        f"error: the distillation into {out / 'distill-swiftkv50'} failed under accelerate launch "
+        "(exit status 1) (to resolve, fix the error printed above and rerun the job: the finished stages are "
+        "skipped and the distillation resumes from its last checkpoint)"
+    )
+    assert not (out / "stages" / "distill-swiftkv50.json").exists()
