@@ -68,6 +68,30 @@ def source_identity(src: Path) -> tuple[str | None, str | None]:
     return recorded.get("source_id"), recorded.get("source_revision")
 
 
+def model_name(folder: Path) -> str:
+    """What the model in a folder is called: its Hub id (``source_identity``), else, for a folder made here
+    from another (``provenance.json`` records that folder's absolute path), the name of the model it was made
+    from, followed back to the original; else the folder's own name."""
+    seen = {folder}
+    while True:
+        repo_id, _ = source_identity(folder)
+        made_from = Path(str(read_provenance(folder).get("source", "")))
+        if repo_id or not made_from.is_absolute() or made_from in seen:
+            return repo_id or folder.name
+        seen.add(made_from)
+        folder = made_from
+
+
+def _title(src: Path, config: dict) -> str:
+    """The card's title: the source model's name and the SwiftKV variant (not the output folder's name,
+    which is often just ``model`` or ``converted``)."""
+    from .flops import Shape
+
+    shape = Shape.from_config(config)
+    title = f"{model_name(src)}, SwiftKV {(shape.layers - shape.num_key_value_layers) / shape.layers:.0%}"
+    return title + (f", AcrossKV group size {shape.group_size}" if shape.group_size > 1 else "")
+
+
 def _layout_table(config: dict) -> list[str]:
     from .flops import Shape, kv_bytes_per_token
 
@@ -98,8 +122,8 @@ def write_card(
 ) -> Path:
     """Write ``dst/README.md`` for the SwiftKV checkpoint in ``dst`` made from ``src``; return its path.
 
-    ``made_by``: Markdown lines saying how (the command or recipe); ``name``: the folder's final name (``dst``
-    may be the temp folder it is written in); ``quality``: a ``quality_section``.
+    ``made_by``: Markdown lines saying how (the command or recipe); ``name``: the folder's final name, for
+    the loading example (``dst`` may be the temp folder it is written in); ``quality``: a ``quality_section``.
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -119,7 +143,7 @@ def write_card(
     if base and revision:
         origin += f" (revision `{revision}`)"
     body = [
-        f"# {name}",
+        f"# {_title(src, config)}",
         "",
         f"A SwiftKV version of {origin}, made with swiftkv-toolkit {__version__}. Prompt tokens skip the "
         "later layers: their keys and values come from one earlier layer's output, so prefill costs less; "

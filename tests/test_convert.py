@@ -1,4 +1,5 @@
-"""Converter: design names and init, save/load round trip, remote-code loading, every refusal leaves nothing."""
+"""Converter: design names and init, save/load round trip, remote-code loading, the cards' titles, every
+refusal leaves nothing."""
 
 from __future__ import annotations
 
@@ -66,6 +67,21 @@ def test_convert_names_init_and_round_trip(tiny_llama_dir, tmp_path):
     ids = torch.randint(3, 128, (1, 10))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
+
+
+def test_cards_are_titled_by_the_source_model_and_variant_not_the_folder(tiny_llama_dir, tmp_path):
+    from huggingface_hub import ModelCard
+
+    # the folders a distillation writes (output_dir/converted, then output_dir/model from it), as distill does
+    converted = swiftkv.convert.convert(
+        tiny_llama_dir, tmp_path / "converted", num_key_value_layers=2, group_size=2
+    )
+    model = AutoModelForCausalLM.from_pretrained(converted)
+    swiftkv.convert.save_pretrained_swiftkv(model, tmp_path / "model", source=converted)
+    for folder in (converted, tmp_path / "model"):
+        card = ModelCard.load(folder / "README.md")
+        assert card.text.lstrip().splitlines()[0] == "# tiny-llama, SwiftKV 67%, AcrossKV group size 2"
+        assert f'from_pretrained("{folder.name}")' in card.text  # the loading example names the folder
 
 
 def test_qwen2_biases_get_twins(tmp_path):

@@ -90,6 +90,7 @@ def test_convert_a_hub_id_writes_card_licences_and_provenance(hub, tmp_path):
 
 def check_card(folder: Path, commit: str, made_by: str) -> ModelCard:
     card = ModelCard.load(folder / "README.md")
+    assert card.text.lstrip().splitlines()[0] == f"# {REPO}, SwiftKV 50%"  # not the folder's name
     assert card.data.base_model == REPO and card.data.license == "llama3.1"
     assert card.data.library_name == "transformers" and "swiftkv" in card.data.tags
     assert f"`{REPO}` (revision `{commit}`)" in card.text and made_by in card.text
