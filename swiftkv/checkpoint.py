@@ -233,12 +233,13 @@ def check(
     weights: bool = True,
     tokenizer: bool = True,
     quantized: bool = False,
-    model_types: tuple[str, ...] = MODEL_TYPES,
+    model_types: tuple[str, ...] | None = MODEL_TYPES,
 ) -> dict:
-    """Check a checkpoint folder and return its config (see the module docstring for what is checked)."""
+    """Check a checkpoint folder and return its config (see the module docstring for what is checked);
+    ``model_types=None`` takes any family (a command that only generates with transformers or tokenizes)."""
     config = read_config(path)
     model_type = config.get("model_type")
-    if model_type not in model_types:
+    if model_types is not None and model_type not in model_types:
         names = ", ".join(t for t in model_types if not t.endswith("_swiftkv"))
         raise CheckpointError(
             f"{path} is a {model_type!r} checkpoint, a family this command does not support "

@@ -215,6 +215,24 @@ def chat_data(tmp_path_factory) -> Path:
     return path
 
 
+HUB_REPO = "acme/tiny-chat"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """HF_HOME in the test's folder, offline, holding ``HUB_REPO`` (a tiny chat model, ``tiny_chat``) as a
+    download leaves it (``hub_cache``); returns (HF_HOME, commit)."""
+    from hub_cache import add_to_cache
+    from huggingface_hub import constants
+    from tiny_chat import save_chat_model
+
+    home = tmp_path / "hf"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    commit = add_to_cache(home / "hub", HUB_REPO, save_chat_model(tmp_path / "upload"))
+    return home, commit
+
+
 @pytest.fixture(scope="session")
 def distill_reference(tmp_path_factory, tiny_chat_model, chat_data) -> Path:
     """The output folder of one uninterrupted single-process distillation of the tiny chat model with

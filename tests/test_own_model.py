@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HUB_REPO as REPO
 from hub_cache import add_to_cache
-from huggingface_hub import ModelCard, constants, scan_cache_dir
+from huggingface_hub import ModelCard, scan_cache_dir
 from safetensors import safe_open
 from tiny_chat import CARD, LICENCES, save_chat_model
 
@@ -22,17 +23,6 @@ from distill.recipe import TRACKERS
 from swiftkv.checkpoint import CheckpointError, open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-REPO = "acme/tiny-chat"
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """HF_HOME in the test's folder, offline, holding ``acme/tiny-chat``; returns (HF_HOME, commit)."""
-    home = tmp_path / "hf"
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    commit = add_to_cache(home / "hub", REPO, save_chat_model(tmp_path / "upload"))
-    return home, commit
 
 
 def offline_env(home: Path) -> dict:

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import HUB_REPO
 
 from eval.serving.ranking.__main__ import main
 from eval.serving.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from eval.serving.ranking.predictors import HiddenStateFeatures, Ranker
-from eval.serving.ranking.traces import generate_traces, load_traces, split_traces
+from eval.serving.ranking.traces import generate_traces, load_traces, read_meta, split_traces
 from eval.serving.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
 
 WORDS = ["short", "long", "tell", "me", "about", "cats", "dogs", "code", "please", "now", "why", "how"]
@@ -302,6 +303,23 @@ def test_cli_train_evaluate_and_errors(tiny_model, synthetic_traces, tmp_path, c
     assert "to resolve" in capsys.readouterr().err
     assert main(["train", str(synthetic_traces), "--out", str(tmp_path / "y"), "--layer", "9"]) == 2
     assert not (tmp_path / "y").exists()
+
+
+def test_cli_traces_of_a_hub_id_and_an_unknown_id_in_one_line(hub, chat_data, tmp_path, capsys):
+    home, commit = hub  # HUB_REPO in an offline cache
+    out = tmp_path / "traces"
+    argv = ["traces", HUB_REPO, "--out", str(out), "--data", str(chat_data), "--limit", "2"]
+    assert main([*argv, "--max-new-tokens", "4", "--batch-size", "2"]) == 0
+    snapshot = home / "hub" / "models--acme--tiny-chat" / "snapshots" / commit
+    assert read_meta(out)["model"] == str(snapshot) and len(load_traces(out)) == 2
+    capsys.readouterr()
+    assert main(["calibrate", "acme/missing", "--out", str(tmp_path / "cost.json")]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and err.count("\n") == 1
+    assert (
+        err.startswith("error: model acme/missing is not in the Hugging Face cache") and "to resolve" in err
+    )
+    assert not (tmp_path / "cost.json").exists()
 
 
 @pytest.mark.smollm2

@@ -1,4 +1,5 @@
-"""Suffix cache artifacts: exact save/load round trip, tokenizer and corruption checks, the CLI stages."""
+"""Suffix cache artifacts: exact save/load round trip, tokenizer and corruption checks, the CLI stages (on a
+folder or a Hub id)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import json
 import random
 
 import pytest
+from conftest import HUB_REPO
 from test_suffix_tree import expand
+from tiny_chat import byte_tokenizer
 
 from eval.serving.suffix.__main__ import main
 from eval.serving.suffix.artifact import META_FILE, TREE_FILE, load_cache, save_cache
 from eval.serving.suffix.cache import SpecConfig, SuffixCache
+from swiftkv.artifacts import read_provenance
 
 
 def word_tokenizer(words: int = 128, offset: int = 0):
@@ -228,3 +232,21 @@ print(json.dumps([fields, read, inspect.getsource(SpeculativeConfig._validate_su
     # an unset draft cap becomes the tree depth; the method still needs arctic-inference
     assert "self.num_speculative_tokens = self.suffix_decoding_max_tree_depth" in validate
     assert "has_arctic_inference()" in validate
+
+
+def test_cli_takes_a_hub_id_and_refuses_an_unknown_one_in_one_line(hub, tmp_path, capsys):
+    home, commit = hub  # HUB_REPO in an offline cache
+    gens = tmp_path / "gens.jsonl"
+    gens.write_text(json.dumps({"response": "hello there"}) + "\n")
+    out = tmp_path / "cache"
+    assert main(["build", HUB_REPO, "--out", str(out), "--responses-from", str(gens)]) == 0
+    snapshot = home / "hub" / "models--acme--tiny-chat" / "snapshots" / commit
+    assert read_provenance(out)["model"] == str(snapshot)
+    assert load_cache(out, byte_tokenizer()).num_responses == 1  # tokenized by that model's tokenizer
+    capsys.readouterr()
+    assert main(["generate", "acme/missing", "--prompts", str(gens)]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and err.count("\n") == 1
+    assert (
+        err.startswith("error: model acme/missing is not in the Hugging Face cache") and "to resolve" in err
+    )

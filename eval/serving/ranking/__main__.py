@@ -8,6 +8,7 @@ from typing import Literal, get_args, get_origin
 
 from swiftkv.cliargs import (
     ArgumentParser,
+    add_checkpoint,
     add_dtype,
     add_force,
     add_limit,
@@ -46,7 +47,7 @@ def build_parser() -> ArgumentParser:
     p = sub.add_parser(
         "traces", help="sample (prompt, output length) pairs from the target model (resumable)"
     )
-    add_model(p)
+    add_checkpoint(p)
     add_out(p, help="traces directory (a rerun continues it)")
     p.add_argument("--data", default="sharegpt", help="`sharegpt` or a JSONL of conversations")
     add_limit(p, 2000, "prompts in total (a rerun continues to this count)")
@@ -81,7 +82,7 @@ def build_parser() -> ArgumentParser:
     p = sub.add_parser(
         "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
     )
-    add_model(p)
+    add_checkpoint(p)
     add_out(p, help="cost-model JSON to write")
     p.add_argument("--repeats", type=int, default=3)
     add_dtype(p, "float32", TORCH_DTYPES)
@@ -116,13 +117,14 @@ def _names(text: str) -> list[str]:
 
 def _command(args) -> str | None:
     from swiftkv.artifacts import write_json_atomic
+    from swiftkv.checkpoint import open_checkpoint
 
     if args.command == "traces":
         from .traces import generate_traces
 
         return str(
             generate_traces(
-                args.model,
+                open_checkpoint(args.model, model_types=None).path,
                 args.out,
                 args.data,
                 args.limit,
@@ -151,7 +153,8 @@ def _command(args) -> str | None:
 
         from .simulator import calibrate_cost_model
 
-        cost = calibrate_cost_model(args.model, args.repeats, args.dtype)
+        model = open_checkpoint(args.model, tokenizer=False, model_types=None).path  # times forwards only
+        cost = calibrate_cost_model(model, args.repeats, args.dtype)
         write_json_atomic(args.out, {**asdict(cost), "model": str(args.model)})
         return json.dumps(asdict(cost))
     return _simulate(args)

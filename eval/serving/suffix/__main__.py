@@ -9,6 +9,7 @@ import sys
 
 from swiftkv.cliargs import (
     ArgumentParser,
+    add_checkpoint,
     add_force,
     add_limit,
     add_model,
@@ -58,7 +59,7 @@ def build_parser() -> ArgumentParser:
         EPILOG,
     )
     b = sub.add_parser("build", help="build a global suffix tree from responses")
-    add_model(b, help="model (or tokenizer) directory whose tokenizer to use")
+    add_checkpoint(b, help="model folder or Hub id (org/name[@revision]) whose tokenizer to use")
     add_out(b, help="output directory (written complete or not at all)")
     b.add_argument(
         "--data", default="sharegpt", help="ShareGPT-style JSONL or 'sharegpt' (assistant turns are used)"
@@ -70,7 +71,7 @@ def build_parser() -> ArgumentParser:
     add_force(b)
     _spec_args(b)
     g = sub.add_parser("generate", help="speculative greedy generation")
-    add_model(g)
+    add_checkpoint(g)
     g.add_argument(
         "--prompts",
         type=existing_path,
@@ -87,13 +88,17 @@ def build_parser() -> ArgumentParser:
 
 def _command(args: argparse.Namespace) -> str | None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from swiftkv.checkpoint import open_checkpoint
+
     from . import stages
 
     if args.command == "build":
+        # only the tokenizer is read: a Hub id is fetched without its weights; any model family
+        model = open_checkpoint(args.model, weights=False, model_types=None).path
         return str(
             stages.build(
                 args.out,
-                args.model,
+                model,
                 args.data,
                 args.responses_from,
                 args.limit,
@@ -102,9 +107,10 @@ def _command(args: argparse.Namespace) -> str | None:
             )
         )
     if args.command == "generate":
+        model = open_checkpoint(args.model, model_types=None).path
         base = stages.read_meta(args.cache)["config"] if args.cache else None
         for record in stages.generate(
-            args.model, args.prompts, args.cache, args.max_new_tokens, _spec_config(args, base)
+            model, args.prompts, args.cache, args.max_new_tokens, _spec_config(args, base)
         ):
             print(json.dumps(record), flush=True)
         return None
