@@ -277,8 +277,8 @@ def _distill(recipe, command: list[str] | None = None) -> dict:
         if status != 0:
             raise LaunchError(
                 f"the distillation into {recipe.output_dir} failed under accelerate launch (exit status "
-                f"{status}) (to resolve, fix the error printed above and rerun the job: the finished stages "
-                "are skipped and the distillation resumes from its last checkpoint)"
+                f"{status}) (to resolve, fix the error printed above and run the job again: the stages "
+                "already done are skipped)"
             )
         model_dir = Path(recipe.output_dir) / "model"
     out = Path(recipe.output_dir)

@@ -167,7 +167,7 @@ def test_a_failed_launch_ends_in_one_line_below_the_distillations_own(sharegpt, 
     assert child.startswith("error: comm.hook=powersgd (staleness 0) cannot run on one process (to resolve, ")
     assert last == (
         f"error: the distillation into {out / 'distill-swiftkv50'} failed under accelerate launch "
-        "(exit status 1) (to resolve, fix the error printed above and rerun the job: the finished stages are "
-        "skipped and the distillation resumes from its last checkpoint)"
+        "(exit status 1) (to resolve, fix the error printed above and run the job again: the stages already "
+        "done are skipped)"
     )
     assert not (out / "stages" / "distill-swiftkv50.json").exists()
