@@ -15,7 +15,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from hub_cache import add_to_cache
 from huggingface_hub import ModelCard
 from tiny_chat import save_chat_model
 
@@ -117,9 +116,8 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
 
 @pytest.mark.smollm2  # the job's held-out data is the embedded ShareGPT
 @pytest.mark.slow
-def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, tmp_path):
-    home = tmp_path / "hf"
-    commit = add_to_cache(home / "hub", "acme/tiny-chat", save_chat_model(tmp_path / "upload"))
+def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, hub, tmp_path):
+    home, commit = hub  # the job runs in a subprocess: HF_HOME below points it at the same cache
     out, launch = tmp_path / "run", tmp_path / "one_process.yaml"
     launch.write_text(ONE_PROCESS)
     cmd = ["-m", "eval", "run", "acme/tiny-chat", "--quick", "--dtype", "bfloat16", "--launch", str(launch)]
