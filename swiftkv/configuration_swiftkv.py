@@ -3,6 +3,12 @@
 ``num_key_value_layers`` (l): layers 0..l-1 are normal; layers l..L-1 take their K/V from the input of layer l.
 ``key_value_group_size`` (g): AcrossKV, consecutive SwiftKV layers share one K/V in groups of g.
 ``swiftkv``: True runs the SwiftKV path (student); False runs the exact original model (teacher).
+``exact_kv_window`` (W): 0 keeps the published SwiftKV semantics.  W >= 1 turns on exact K/V: every token that
+runs layers >= l stores *exact* K/V there (the layer's own ``k_proj``/``v_proj`` on its own normed input), and a
+forward runs its last W tokens through layers >= l (W = 1: only the last, which runs them anyway), so the
+last W prompt tokens, every generated token and every speculative verification token get exact K/V; all
+other prompt tokens keep SwiftKV K/V.  Needs ``key_value_group_size`` 1 (an AcrossKV group shares one K/V,
+exact K/V are per layer).
 
 This file travels with every checkpoint for ``trust_remote_code`` loading, so it imports only transformers (and huggingface_hub,
 which transformers itself requires).
@@ -31,6 +37,14 @@ class _SwiftKVValidation:
                 f"key_value_group_size={g} must divide the {num_layers - l} SwiftKV layers "
                 f"(num_hidden_layers={num_layers} - num_key_value_layers={l})"
             )
+        w = self.exact_kv_window
+        if not isinstance(w, int) or w < 0:
+            raise ValueError(f"exact_kv_window={w!r} must be an integer >= 0 (0: off)")
+        if w > 0 and g > 1:
+            raise ValueError(
+                f"exact_kv_window={w} needs key_value_group_size=1, got {g}: an AcrossKV group shares one K/V "
+                "across its layers, exact K/V are per layer"
+            )
         for layer_type in getattr(self, "layer_types", None) or []:
             if layer_type != "full_attention":
                 raise ValueError(
@@ -55,6 +69,7 @@ class LlamaSwiftKVConfig(_SwiftKVValidation, LlamaConfig):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
+    exact_kv_window: int = 0
 
 
 @strict
@@ -63,6 +78,7 @@ class Qwen2SwiftKVConfig(_SwiftKVValidation, Qwen2Config):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
+    exact_kv_window: int = 0
 
 
 @strict
@@ -71,3 +87,4 @@ class Qwen3SwiftKVConfig(_SwiftKVValidation, Qwen3Config):
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
     swiftkv: bool = True
+    exact_kv_window: int = 0

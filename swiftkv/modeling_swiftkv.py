@@ -21,6 +21,15 @@ the weights are materialized, else by calling each projection module, so that ac
 and DeepSpeed ZeRO-3 can materialize the weights inside the module's forward), and each group's K/V stay on
 its leader's device.
 
+Exact K/V (``config.exact_kv_window = W >= 1``): the tokens that run layers ``>= l`` store exact K/V there,
+the layer's original ``k_proj``/``v_proj`` on its own normed input.  In cached generation a forward with logits for its
+last k rows (``logits_to_keep``; the k - 1 before the last are speculative tokens) writes SwiftKV K/V for all
+but its last ``E = k - 1 + W`` tokens, and those E tokens run layers ``>= l`` and append their exact K/V in
+each: decode and speculative tokens, and the last W prompt tokens of a prefill.  A full
+teacher-forced forward runs every position through every layer, so it takes the positions that count as run
+there from an explicit mask (``swiftkv_exact_mask``; ``exact_kv_positions`` builds it from a loss mask);
+without one it treats the input as one prompt (its last W positions exact).
+
 In teacher mode (``swiftkv=False``) the model is exactly the original.  ``teacher_student_hidden`` runs the
 shared lower layers once and both upper paths, which is what distillation needs.
 
@@ -30,6 +39,7 @@ transformers and the sibling configuration file.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -111,17 +121,47 @@ class SwiftKVAttentionMixin:
             key = self.k_norm_swiftkv(key)
         return _apply_rope(key.transpose(1, 2), *position_embeddings), value.transpose(1, 2)
 
+    def exact_key_value(self, hidden_states, position_embeddings):
+        """The layer's original K/V [batch, kv_heads, seq, head_dim] of its normed input (with RoPE; Qwen3: k_norm)."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        key, value = self.k_proj(hidden_states).view(shape), self.v_proj(hidden_states).view(shape)
+        if hasattr(self, "k_norm"):
+            key = self.k_norm(key)
+        return _apply_rope(key.transpose(1, 2), *position_embeddings), value.transpose(1, 2)
+
     def forward(
-        self, hidden_states, position_embeddings, attention_mask, cache=None, swiftkv_kv=None, **kwargs
+        self,
+        hidden_states,
+        position_embeddings,
+        attention_mask,
+        cache=None,
+        swiftkv_kv=None,
+        exact_kv_mask=None,
+        exact_kv_rows=None,
+        **kwargs,
     ):
-        if swiftkv_kv is None:
+        """``swiftkv_kv``: the group's SwiftKV K/V of every key position; ``exact_kv_mask`` [batch, kv] then swaps
+        in this layer's exact K/V where True (teacher-forced: every position runs this layer).  ``exact_kv_rows``
+        (cached generation, instead of ``swiftkv_kv``): the cache already holds the SwiftKV K/V of every earlier
+        position, and the last ``exact_kv_rows`` rows append their exact K/V to it."""
+        if swiftkv_kv is None and exact_kv_rows is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
         query = self.q_proj_swiftkv(hidden_states).view(*input_shape, -1, self.head_dim)
         if hasattr(self, "q_norm_swiftkv"):
             query = self.q_norm_swiftkv(query)
         query = _apply_rope(query.transpose(1, 2), *position_embeddings)
-        key, value = swiftkv_kv
+        if exact_kv_rows is not None:
+            cos, sin = position_embeddings
+            rows = slice(-exact_kv_rows, None)
+            key, value = self.exact_key_value(hidden_states[:, rows], (cos[:, rows], sin[:, rows]))
+            key, value = cache.update(key, value, self.layer_idx)
+        else:
+            key, value = swiftkv_kv
+            if exact_kv_mask is not None:
+                exact_key, exact_value = self.exact_key_value(hidden_states, position_embeddings)
+                swap = exact_kv_mask[:, None, :, None].to(key.device)
+                key, value = torch.where(swap, exact_key, key), torch.where(swap, exact_value, value)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -190,6 +230,25 @@ def _mask_for_last_rows(mask, rows: int):
     return mask
 
 
+def exact_kv_positions(loss_mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """The positions of teacher-forced rows that run every layer when their replies are generated: [batch, seq]
+    bool.
+
+    ``loss_mask`` marks the positions whose logits are scored (the last prompt token and the reply tokens: each
+    predicts the next token), ``position_ids`` restart at 0 for every packed sample.  Each run of scored positions
+    is one reply; the ``window - 1`` positions before it (inside its sample) are the rest of the prefill window
+    (``exact_kv_window``), which ends at the reply's first scored position, the last prompt token.
+    """
+    scored = loss_mask.bool()
+    exact = scored.clone()
+    starts = scored & (~torch.nn.functional.pad(scored[:, :-1], (1, 0)) | (position_ids == 0))
+    for back in range(1, window):
+        shifted = torch.zeros_like(starts)
+        shifted[:, :-back] = starts[:, back:] & (position_ids[:, back:] >= back)
+        exact |= shifted
+    return exact
+
+
 class SwiftKVModelMixin:
     """The base family's model with ``norm_swiftkv`` and the skip-ahead forward."""
 
@@ -251,19 +310,23 @@ class SwiftKVModelMixin:
         return out
 
     def swiftkv_key_values(
-        self, x_l: torch.Tensor, prepared: _Prepared
+        self, x_l: torch.Tensor, prepared: _Prepared, tokens: int | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """K/V for every AcrossKV group from the input of layer l, written into the cache when there is one.
+        """K/V for every AcrossKV group from the input of layer l (its first ``tokens`` positions, default all),
+        written into the cache when there is one.
 
         Returns one (key, value) pair per group, each [batch, kv_heads, kv_len, head_dim] with RoPE applied,
         on the group leader's device.
         """
         if self.config.num_swiftkv_groups == 0:
             return []
+        cos, sin = prepared.position_embeddings
+        if tokens is not None:
+            x_l, cos, sin = x_l[:, :tokens], cos[:, :tokens], sin[:, :tokens]
         h = self.norm_swiftkv(x_l)
         out = []
         for attn, (key, value) in zip(self.kv_leaders, self._project_kv(h), strict=True):
-            key, value = attn.swiftkv_key_value(key, value, prepared.position_embeddings)
+            key, value = attn.swiftkv_key_value(key, value, (cos, sin))
             if prepared.cache is not None:
                 key, value = prepared.cache.update(key, value, attn.layer_idx)
             out.append((key, value))
@@ -300,17 +363,24 @@ class SwiftKVModelMixin:
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache)
 
-    def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, **kwargs):
-        """Run ``layers`` (a slice of self.layers); ``kv`` holds the SwiftKV K/V per group when given."""
+    def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, exact=None, **kwargs):
+        """Run ``layers`` (a slice of self.layers).  ``kv`` holds the SwiftKV K/V per group when given, and
+        ``exact`` (a [batch, seq] mask) swaps in each layer's exact K/V where True; without ``kv``, an int
+        ``exact`` makes the last ``exact`` rows append their exact K/V to the cache (``SwiftKVAttentionMixin``)."""
         g, first = self.config.key_value_group_size, self.config.num_key_value_layers
         for layer in layers:
-            extra = {} if kv is None else {"swiftkv_kv": kv[(layer.self_attn.layer_idx - first) // g]}
+            if kv is not None:
+                leader = (layer.self_attn.layer_idx - first) // g
+                extra = {"swiftkv_kv": kv[leader], "exact_kv_mask": exact, "cache": None}
+            elif exact is not None:
+                extra = {"exact_kv_rows": exact, "cache": prepared.cache}
+            else:
+                extra = {"cache": prepared.cache}
             hidden_states = layer(
                 hidden_states,
                 attention_mask=prepared.attention_mask,
                 position_embeddings=prepared.position_embeddings,
                 position_ids=prepared.position_ids,
-                cache=None if kv is not None else prepared.cache,
                 **extra,
                 **kwargs,
             )
@@ -340,36 +410,66 @@ class SwiftKVModelMixin:
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         swiftkv_logits_to_keep: int | torch.Tensor = 0,
+        swiftkv_exact_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """As the base model's forward; with SwiftKV on and ``swiftkv_logits_to_keep = k > 0``, only the last k
-        rows go through layers >= l and ``last_hidden_state`` holds just those rows."""
+        rows (with exact K/V: the last ``k - 1 + W``) go through layers >= l and ``last_hidden_state`` holds just
+        those rows.  ``swiftkv_exact_mask`` [batch, seq]: the positions that take exact K/V in layers >= l, for a
+        teacher-forced pass without a cache (module docstring)."""
         seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        keep = swiftkv_logits_to_keep
-        rows = min(keep, seq_len) if isinstance(keep, int) and keep > 0 and self.config.swiftkv else seq_len
+        config, exact_mask = self.config, swiftkv_exact_mask
+        keep = swiftkv_logits_to_keep if isinstance(swiftkv_logits_to_keep, int) else 0
+        if exact_mask is not None and config.swiftkv:
+            if cache is not None or use_cache:
+                raise ValueError(
+                    "swiftkv_exact_mask is for teacher-forced passes without a cache (to resolve, pass "
+                    "use_cache=False; cached generation takes exact K/V from config.exact_kv_window)"
+                )
+            if config.key_value_group_size > 1:
+                raise ValueError("exact K/V need key_value_group_size=1: an AcrossKV group shares one K/V")
+        # with logits for the last k rows, the last k - 1 are generated (speculative) tokens and the k-th from
+        # the end closes the prompt window of W rows
+        window = config.exact_kv_window if config.swiftkv and exact_mask is None else 0
+        rows = min(seq_len, keep - 1 + max(window, 1)) if keep and config.swiftkv else seq_len
+        exact_rows = (rows if keep else min(seq_len, window)) if window else 0
         prepared = self._prepare(
             input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows
         )
-        l = self.config.num_key_value_layers
+        l = config.num_key_value_layers
         hidden = self._run(self.layers[:l], prepared.hidden_states, prepared, **kwargs)
-        if self.config.swiftkv:
+        if not config.swiftkv:
+            hidden = self._run(self.layers[l:], hidden, prepared, **kwargs)
+        elif exact_rows:
+            # the SwiftKV K/V of every token before the exact rows go into the cache (a throwaway one without
+            # use_cache), then the exact rows append their own in every layer >= l
+            if prepared.cache is None:
+                prepared = dataclasses.replace(prepared, cache=DynamicCache(config=config))
+            if seq_len > exact_rows:
+                self.swiftkv_key_values(hidden, prepared, tokens=seq_len - exact_rows)
+            upper = self._keep_last_rows(prepared, rows) if rows < seq_len else prepared
+            hidden = self._run(self.layers[l:], hidden[:, -rows:], upper, exact=exact_rows, **kwargs)
+        else:
             kv = self.swiftkv_key_values(hidden, prepared)
             if rows < seq_len:
                 prepared = self._keep_last_rows(prepared, rows)
                 hidden = hidden[:, -rows:]
-            hidden = self._run(self.layers[l:], hidden, prepared, kv, **kwargs)
-        else:
-            hidden = self._run(self.layers[l:], hidden, prepared, **kwargs)
+            hidden = self._run(self.layers[l:], hidden, prepared, kv, exact_mask, **kwargs)
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(hidden), cache=prepared.cache if use_cache else None
         )
 
-    def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None):
+    def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None, exact_mask=None):
         """Final normed hidden states of the teacher (original, no grad) and the student (SwiftKV), plus both
-        paths' input to the last layer, with layers < l computed once for both.  Layers < l build no graph when
+        paths' input to the last layer, with layers < l computed once for both.  ``exact_mask`` [batch, seq]: the
+        positions whose K/V in layers >= l are exact in the student (default with ``exact_kv_window = W``: the
+        last W, as ``forward`` treats an input without a mask).  Layers < l build no graph when
         none of their weights (nor the embeddings) trains: activation checkpointing makes the embeddings'
         output require grad, which would otherwise recompute them and backpropagate through them for nothing."""
-        l = self.config.num_key_value_layers
+        l, window = self.config.num_key_value_layers, self.config.exact_kv_window
+        if exact_mask is None and window:
+            exact_mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+            exact_mask[:, -window:] = True
         lower = [self.embed_tokens, *self.layers[:l]]
         with torch.set_grad_enabled(
             torch.is_grad_enabled() and any(p.requires_grad for m in lower for p in m.parameters())
@@ -382,8 +482,8 @@ class SwiftKVModelMixin:
             t_last_in = self._run(self.layers[l:-1], x_l, prepared)
             teacher = self.norm(self._run(self.layers[-1:], t_last_in, prepared))
         kv = self.swiftkv_key_values(x_l, prepared)
-        s_last_in = self._run(self.layers[l:-1], x_l, prepared, kv)
-        student = self.norm(self._run(self.layers[-1:], s_last_in, prepared, kv))
+        s_last_in = self._run(self.layers[l:-1], x_l, prepared, kv, exact_mask)
+        student = self.norm(self._run(self.layers[-1:], s_last_in, prepared, kv, exact_mask))
         return teacher, student, t_last_in, s_last_in
 
 
@@ -408,6 +508,7 @@ class SwiftKVForCausalLMMixin:
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        swiftkv_exact_mask: torch.Tensor | None = None,
         **kwargs,
     ):
         return super().forward(
@@ -420,6 +521,7 @@ class SwiftKVForCausalLMMixin:
             use_cache=use_cache,
             logits_to_keep=logits_to_keep,
             swiftkv_logits_to_keep=logits_to_keep,
+            swiftkv_exact_mask=swiftkv_exact_mask,
             **kwargs,
         )
 

@@ -5,7 +5,9 @@ Attention is the explicit ``softmax(Q K^T / sqrt(d) + mask) V`` with the KV head
 full (uncached) sequences with left padding; RoPE uses transformers' rotary embedding only for its cos/sin
 tables.  Layers ``j >= l`` take K/V from ``k/v_proj_swiftkv(norm_swiftkv(x_l))`` of their AcrossKV group
 leader and queries from their own ``q_proj_swiftkv``; Qwen3's per-head norms use the ``*_norm_swiftkv``
-weights there.  With ``l = L`` this is the base model itself.
+weights there.  With ``l = L`` this is the base model itself.  ``exact`` [B, T] (the exact K/V option): in layers
+``j >= l`` the marked positions take layer j's own ``k/v_proj`` (and Qwen3's ``k_norm``) of their normed input
+instead, as the original model would compute them from the student's hidden state.
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ def attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def student_logits(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    exact: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits [B, T, V] of the SwiftKV student for left-padded ``input_ids`` (padding positions are arbitrary)."""
+    """Logits [B, T, V] of the SwiftKV student for left-padded ``input_ids`` (padding positions are arbitrary),
+    with exact K/V in layers >= l at the ``exact`` positions."""
     cfg = model.config
     W = {k: v.detach() for k, v in model.state_dict().items()}
     eps, L = cfg.rms_norm_eps, cfg.num_hidden_layers
@@ -76,6 +82,12 @@ def student_logits(
             q_norm, k_norm = attn + "q_norm_swiftkv.weight", leader + "k_norm_swiftkv.weight"
         if q_norm in W:  # Qwen3: RMSNorm over each head before RoPE
             q, k = rms_norm(q, W[q_norm], eps), rms_norm(k, W[k_norm], eps)
+        if j >= l and exact is not None:
+            k_own, v_own = heads(lin(normed, attn + "k_proj")), heads(lin(normed, attn + "v_proj"))
+            if attn + "k_norm.weight" in W:
+                k_own = rms_norm(k_own, W[attn + "k_norm.weight"], eps)
+            swap = exact[:, None, :, None]
+            k, v = torch.where(swap, k_own, k), torch.where(swap, v_own, v)
         out = attention(rope(q, cos, sin), rope(k, cos, sin), v, allowed)
         x = x + lin(out.transpose(1, 2).reshape(B, T, -1), attn + "o_proj")
         normed = rms_norm(x, W[f"model.layers.{j}.post_attention_layernorm.weight"], eps)
@@ -85,11 +97,17 @@ def student_logits(
     return x @ W.get("lm_head.weight", W["model.embed_tokens.weight"]).T
 
 
-def greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """Greedy continuation [B, steps] of a left-padded batch, recomputing the full reference every step."""
+def greedy(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int, window: int = 0
+) -> torch.Tensor:
+    """Greedy continuation [B, steps] of a left-padded batch, recomputing the full reference every step; with
+    ``window`` W > 0 the last W prompt columns and every generated one take exact K/V."""
     ids, mask = input_ids, attention_mask
     for _ in range(steps):
-        nxt = student_logits(model, ids, mask)[:, -1].argmax(-1, keepdim=True)
+        exact = None
+        if window:
+            exact = (torch.arange(ids.shape[1]) >= input_ids.shape[1] - window).expand(ids.shape)
+        nxt = student_logits(model, ids, mask, exact)[:, -1].argmax(-1, keepdim=True)
         ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
     return ids[:, input_ids.shape[1] :]
 
