@@ -141,9 +141,10 @@ class SwiftKVAttentionMixin:
         **kwargs,
     ):
         """``swiftkv_kv``: the group's SwiftKV K/V of every key position; ``exact_kv_mask`` [batch, kv] then swaps
-        in this layer's exact K/V where True (teacher-forced: every position runs this layer).  ``exact_kv_rows``
-        (cached generation, instead of ``swiftkv_kv``): the cache already holds the SwiftKV K/V of every earlier
-        position, and the last ``exact_kv_rows`` rows append their exact K/V to it."""
+        in this layer's exact K/V where True (teacher-forced: every position runs this layer).  With
+        ``exact_kv_rows = E`` (generation), ``swiftkv_kv`` holds the SwiftKV K/V of this forward's positions
+        before its last E (or is None) and the last E rows add their exact K/V: the layer then stores this
+        forward's K/V in the cache itself, once, as an ordinary layer does."""
         if swiftkv_kv is None and exact_kv_rows is None:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
@@ -155,7 +156,10 @@ class SwiftKVAttentionMixin:
             cos, sin = position_embeddings
             rows = slice(-exact_kv_rows, None)
             key, value = self.exact_key_value(hidden_states[:, rows], (cos[:, rows], sin[:, rows]))
-            key, value = cache.update(key, value, self.layer_idx)
+            if swiftkv_kv is not None:
+                key, value = torch.cat([swiftkv_kv[0], key], -2), torch.cat([swiftkv_kv[1], value], -2)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
         else:
             key, value = swiftkv_kv
             if exact_kv_mask is not None:
@@ -365,15 +369,16 @@ class SwiftKVModelMixin:
 
     def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, exact=None, **kwargs):
         """Run ``layers`` (a slice of self.layers).  ``kv`` holds the SwiftKV K/V per group when given, and
-        ``exact`` (a [batch, seq] mask) swaps in each layer's exact K/V where True; without ``kv``, an int
-        ``exact`` makes the last ``exact`` rows append their exact K/V to the cache (``SwiftKVAttentionMixin``)."""
+        ``exact`` either a [batch, seq] mask that swaps in each layer's exact K/V where True, or (generation) a
+        number E of last rows that add their exact K/V to ``kv``, the SwiftKV K/V of the positions before them
+        (None: none), and store both in the cache (``SwiftKVAttentionMixin.forward``)."""
         g, first = self.config.key_value_group_size, self.config.num_key_value_layers
         for layer in layers:
-            if kv is not None:
-                leader = (layer.self_attn.layer_idx - first) // g
-                extra = {"swiftkv_kv": kv[leader], "exact_kv_mask": exact, "cache": None}
-            elif exact is not None:
-                extra = {"exact_kv_rows": exact, "cache": prepared.cache}
+            group = None if kv is None else kv[(layer.self_attn.layer_idx - first) // g]
+            if isinstance(exact, int):
+                extra = {"swiftkv_kv": group, "exact_kv_rows": exact, "cache": prepared.cache}
+            elif kv is not None:
+                extra = {"swiftkv_kv": group, "exact_kv_mask": exact, "cache": None}
             else:
                 extra = {"cache": prepared.cache}
             hidden_states = layer(
@@ -432,6 +437,8 @@ class SwiftKVModelMixin:
         # the end closes the prompt window of W rows
         window = config.exact_kv_window if config.swiftkv and exact_mask is None else 0
         rows = min(seq_len, keep - 1 + max(window, 1)) if keep and config.swiftkv else seq_len
+        if exact_mask is not None:  # teacher-forced: every position runs every layer
+            rows = seq_len
         exact_rows = (rows if keep else min(seq_len, window)) if window else 0
         prepared = self._prepare(
             input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows
@@ -441,14 +448,14 @@ class SwiftKVModelMixin:
         if not config.swiftkv:
             hidden = self._run(self.layers[l:], hidden, prepared, **kwargs)
         elif exact_rows:
-            # the SwiftKV K/V of every token before the exact rows go into the cache (a throwaway one without
-            # use_cache), then the exact rows append their own in every layer >= l
-            if prepared.cache is None:
-                prepared = dataclasses.replace(prepared, cache=DynamicCache(config=config))
+            # the SwiftKV K/V of the tokens before the exact rows; each layer >= l adds the exact rows' own and
+            # stores both in the cache
+            kv = None
             if seq_len > exact_rows:
-                self.swiftkv_key_values(hidden, prepared, tokens=seq_len - exact_rows)
+                no_write = dataclasses.replace(prepared, cache=None)
+                kv = self.swiftkv_key_values(hidden, no_write, tokens=seq_len - exact_rows)
             upper = self._keep_last_rows(prepared, rows) if rows < seq_len else prepared
-            hidden = self._run(self.layers[l:], hidden[:, -rows:], upper, exact=exact_rows, **kwargs)
+            hidden = self._run(self.layers[l:], hidden[:, -rows:], upper, kv, exact_rows, **kwargs)
         else:
             kv = self.swiftkv_key_values(hidden, prepared)
             if rows < seq_len:

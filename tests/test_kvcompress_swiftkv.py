@@ -40,6 +40,28 @@ def test_swiftkv_acrosskv_full_rank_matches_dynamic_cache():
     assert cache.layers[3].nbytes() == 0  # followers hold nothing: the group is compressed once
 
 
+@torch.no_grad()
+def test_swiftkv_exact_kv_full_rank_matches_dynamic_cache():
+    """With exact K/V (exact_kv_window) every layer >= l stores its forward's SwiftKV and exact K/V in one
+    update, so TALE's one-update-per-attention rule holds and full rank gives the DynamicCache's logits."""
+    torch.manual_seed(0)
+    model = to_swiftkv(tiny_base("llama"), 2).eval()
+    model.config.exact_kv_window = 4
+    factors = factors_from_model(model, [torch.randint(3, 128, (1, 48)) for _ in range(3)])
+    ids = torch.randint(3, 128, (1, 50))
+
+    def conversation(cache):
+        out = [model(ids[:, :30], cache=cache, logits_to_keep=1).logits]
+        out += [model(ids[:, i : i + 1], cache=cache).logits for i in range(30, 40)]
+        out += [model(ids[:, 40:], cache=cache, logits_to_keep=1).logits]
+        return torch.cat(out, 1)
+
+    ref = conversation(DynamicCache(config=model.config))
+    enable_tale(model)
+    cache = TaleCache(factors, uniform_policy(16, None, sinks=2, window=5, block=3), model.config, model=model)
+    torch.testing.assert_close(conversation(cache), ref, atol=2e-5, rtol=1e-4)
+
+
 LOSSY = two_tier_policy(4, window=8)
 
 
