@@ -17,6 +17,10 @@ Two measurements on the recipe's held-out rows, both against the teacher (the sa
   context, no more capacity per token).  ``checkpoint`` is the checkpoint's own K/V projections.  If the MLP
   closes much more of the error than the context map, a per-token capacity lever is the one to try, and
   the other way round.
+
+``--exact-kv W`` measures something else, also with forward passes only: what exact K/V for the tokens that run
+every layer would buy the checkpoint as it is (``distill.served.exact_kv_table``: KL in five regimes on the
+held-out conversations ``eval quality`` scores), before any training in that regime.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .objective import agreement_metrics, metrics_from_sums
 EPILOG = """examples:
   python -m distill diagnose out/distill/smollm2-swiftkv50/model --out out/diagnose50
   python -m distill diagnose out/x/converted --recipe recipes/swiftkv_smollm2_cpu.yaml --block-layers 5 --out out/d
+  python -m distill diagnose out/distill/smollm2-swiftkv50/model --exact-kv 32 --out out/exact50
 """
 
 
@@ -473,12 +478,62 @@ def build_parser():
     parser.add_argument("--neighbours", type=int, default=4, help="tokens the context probe sees (1: off)")
     parser.add_argument("--mlp-hidden", type=int, default=1024, help="hidden width of the MLP probe")
     parser.add_argument("--mlp-steps", type=int, default=600, help="Adam steps of the MLP probe (0: off)")
-    add_limit(parser, None, "held-out rows (default: the trainer's log.eval_batches x micro_batch_size)")
+    parser.add_argument(
+        "--exact-kv",
+        type=int,
+        metavar="W",
+        help="instead: KL with exact K/V for the tokens that run every layer (prompt window W), forward only",
+    )
+    add_limit(
+        parser,
+        None,
+        "held-out rows (default: the trainer's log.eval_batches x micro_batch_size); with --exact-kv, "
+        "held-out conversations (default 32)",
+    )
     add_out(parser, required=False, help="folder for diagnosis.{json,md} (default: print only)")
     return parser
 
 
+@torch.no_grad()
+def diagnose_exact_kv(
+    checkpoint: str | Path, window: int, out: str | Path | None = None, limit: int = 32
+) -> dict:
+    """``distill.served.exact_kv_table`` of a checkpoint, written to ``out/exact_kv.{json,md}`` if given."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import swiftkv  # noqa: F401  (registers the SwiftKV model classes)
+
+    from .served import exact_kv_lines, exact_kv_table
+
+    checkpoint = Path(checkpoint)
+    config = read_config(checkpoint)
+    if config.get("num_key_value_layers", config["num_hidden_layers"]) >= config["num_hidden_layers"]:
+        raise UsageError(f"{checkpoint} has no SwiftKV layer (to resolve, convert or distill it first)")
+    if config.get("key_value_group_size", 1) > 1:
+        raise UsageError(f"{checkpoint} uses AcrossKV groups; exact K/V need key_value_group_size 1")
+    if window < 1 or limit < 1:
+        raise UsageError("--exact-kv and --limit must be positive (to resolve, pass e.g. --exact-kv 32)")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    table = exact_kv_table(model, tokenizer, window, limit)
+    result = {"checkpoint": str(checkpoint), "window": window, "conversations": limit, "table": table}
+    result["seconds"] = time.perf_counter() - t0
+    if out is not None:
+        out = Path(out)
+        write_json_atomic(out / "exact_kv.json", result)
+        tmp = out / f".exact_kv.md.tmp-{os.getpid()}"
+        tmp.write_text("\n".join(exact_kv_lines(table, window)) + "\n")
+        os.replace(tmp, out / "exact_kv.md")
+    return result
+
+
 def _diagnose(args) -> str:
+    if args.exact_kv is not None:
+        from .served import exact_kv_lines
+
+        result = diagnose_exact_kv(args.checkpoint, args.exact_kv, args.out, args.limit or 32)
+        return "\n".join(exact_kv_lines(result["table"], args.exact_kv))
     result = diagnose(
         args.checkpoint,
         args.out,

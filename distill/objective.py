@@ -82,6 +82,34 @@ def _denominator(mask: torch.Tensor, normalize: str) -> torch.Tensor | int:
 
 
 @torch.no_grad()
+def token_agreement(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    head: nn.Module,
+    mask: torch.Tensor,
+    chunk_tokens: int = 1024,
+    input_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per counted token, in order: [KL at T=1, top-1 agreement, 1, student NLL, teacher NLL], [counted, 5].  The
+    NLLs are of the next token in ``input_ids`` (position t predicts t+1; the last position of a row is never
+    counted by the data), zero without ``input_ids``."""
+    if input_ids is None:
+        input_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+    out = []
+    for s, t, y in _chunks(mask, chunk_tokens, student, teacher, targets):
+        s, t = F.log_softmax(head(s).float(), -1), F.log_softmax(head(t).float(), -1)
+        kl = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)
+        top1 = (s.argmax(-1) == t.argmax(-1)).to(kl.dtype)
+        nll = [-x.gather(-1, y[:, None])[:, 0] for x in (s, t)]
+        out.append(torch.stack([kl, top1, torch.ones_like(kl), *nll], -1).double())
+    out = torch.cat(out) if out else torch.zeros(0, 5, dtype=torch.float64, device=student.device)
+    if not input_ids.any():
+        out[:, 3:] = 0
+    return out
+
+
+@torch.no_grad()
 def agreement_metrics(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -90,23 +118,8 @@ def agreement_metrics(
     chunk_tokens: int = 1024,
     input_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sums over counted tokens of [KL at T=1, top-1 agreement, count, student NLL, teacher NLL] (sums, so
-    ranks can add them).  The NLLs are of the next token in ``input_ids`` (position t predicts t+1; the last
-    position of a row is never counted by the data), zero without ``input_ids``."""
-    out = torch.zeros(5, dtype=torch.float64, device=student.device)
-    if input_ids is None:
-        input_ids = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
-    targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
-    for s, t, y in _chunks(mask, chunk_tokens, student, teacher, targets):
-        s, t = F.log_softmax(head(s).float(), -1), F.log_softmax(head(t).float(), -1)
-        out[0] += F.kl_div(s, t, log_target=True, reduction="sum").double()
-        out[1] += (s.argmax(-1) == t.argmax(-1)).sum()
-        out[2] += s.shape[0]
-        out[3] -= s.gather(-1, y[:, None]).sum().double()
-        out[4] -= t.gather(-1, y[:, None]).sum().double()
-    if not input_ids.any():
-        out[3:] = 0
-    return out
+    """Sums over counted tokens of ``token_agreement`` (sums, so ranks can add them)."""
+    return token_agreement(student, teacher, head, mask, chunk_tokens, input_ids).sum(0)
 
 
 def metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:

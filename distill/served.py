@@ -1,0 +1,230 @@
+"""Scoring a SwiftKV student the way it is served, with exact K/V (``exact_kv_window``).
+
+A teacher-forced pass runs every position through every layer, but a served request runs only its generated
+tokens (and the last W prompt tokens) through layers >= l, and only those store exact K/V there.  So a
+student's quality depends on which positions are marked as generated, and three regimes bound what users see:
+
+* **as served** (``per_reply`` rows): each reply is scored in a sample of its own, cut after it, with everything
+  before it as prompt: exact K/V on that reply and the W prompt positions before it, SwiftKV K/V elsewhere.
+  This is a request re-sent without a prefix-cache hit (every turn of a chat API without prefix caching);
+* **continued** (conversation rows, every reply marked): all replies generated in turn in one cache, as a chat
+  whose earlier turns hit the prefix cache;
+* **all prompt** (no position marked): the student's plain teacher-forced quality, the conservative number
+  (and the only one for a student without exact K/V).
+
+Each regime is scored on every reply token, on the first ``first_tokens`` tokens of each reply (the tokens
+closest to the SwiftKV prompt, where exact K/V help least), and on the first reply of each sample.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from swiftkv.assets import iter_conversations
+from swiftkv.cliargs import UsageError
+from swiftkv.modeling_swiftkv import exact_kv_positions
+
+from .data import pack, render_conversation
+from .objective import metrics_from_sums, token_agreement
+
+FIRST_TOKENS = 16
+
+
+def conversation_samples(
+    tokenizer, n: int, seq_len: int, data: str | Path = "sharegpt", min_context: int = 0
+) -> list[dict]:
+    """Rendered samples (``input_ids``, ``counted``) of the first ``n`` held-out conversations of ``data`` with a
+    reply that starts after at least ``min_context`` tokens and within ``seq_len``."""
+    samples = []
+    for messages in iter_conversations(data, split="heldout"):
+        if not any(m["role"] == "assistant" for m in messages):
+            continue
+        sample = render_conversation(messages, tokenizer)
+        counted = sample["counted"][:seq_len]
+        if any(counted[max(min_context, 1) :]):
+            samples.append(sample)
+        if len(samples) >= n:
+            return samples
+    if not samples:
+        raise UsageError(
+            f"no held-out conversation of {data} has a reply after {min_context} tokens and within {seq_len} "
+            "(to resolve, evaluate on longer sequences or on conversations with shorter prompts)"
+        )
+    return samples
+
+
+def replies(counted: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of counted tokens (each reply)."""
+    runs, start = [], None
+    for i, c in enumerate([*counted, 0]):
+        if c and start is None:
+            start = i
+        elif not c and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def per_reply_samples(
+    samples: list[dict],
+    seq_len: int,
+    replies_of: slice = slice(None),
+    min_context: int = 0,
+    max_reply: int | None = None,
+) -> list[dict]:
+    """One sample per reply (those of ``replies_of`` in each conversation, e.g. ``slice(1)`` for the first): the
+    conversation cut after that reply (at most ``max_reply`` of its tokens), only that reply counted.  Replies
+    that start before ``min_context`` tokens or end past ``seq_len`` are left out."""
+    out = []
+    for sample in samples:
+        for start, end in replies(sample["counted"])[replies_of]:
+            end = min(end, start + max_reply) if max_reply else end
+            if start < max(min_context, 1) or end > seq_len:
+                continue
+            counted = [0] * start + [1] * (end - start)
+            out.append({"input_ids": sample["input_ids"][:end], "counted": counted})
+    return out
+
+
+def subsets(loss_mask: torch.Tensor, position_ids: torch.Tensor, first_tokens: int = FIRST_TOKENS):
+    """Masks of the scored positions: every reply token, the first ``first_tokens`` of each reply, the first
+    reply of each packed sample (each [batch, seq] bool)."""
+    scored = loss_mask.bool()
+    first_n, first_reply = torch.zeros_like(scored), torch.zeros_like(scored)
+    for b in range(scored.shape[0]):
+        run_at, runs_in_sample = -1, 0
+        for t in range(scored.shape[1]):
+            if position_ids[b, t] == 0:
+                runs_in_sample = 0
+            if not scored[b, t]:
+                continue
+            if t == 0 or not scored[b, t - 1] or position_ids[b, t] == 0:
+                run_at, runs_in_sample = t, runs_in_sample + 1
+            first_n[b, t] = t - run_at < first_tokens
+            first_reply[b, t] = runs_in_sample == 1
+    return {"reply": scored, f"first{first_tokens}": first_n, "first_reply": first_reply}
+
+
+@torch.no_grad()
+def regime_sums(
+    model,
+    rows: dict[str, torch.Tensor],
+    windows: dict[str, int | None],
+    batch_size: int = 4,
+    first_tokens: int = FIRST_TOKENS,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``agreement_metrics`` sums of the student against its teacher on packed ``rows``, per regime and subset.
+
+    ``windows``: regime name -> W, exact K/V on each scored reply and the W - 1 positions before it
+    (``exact_kv_positions``), or None for no exact position.  The teacher runs once per batch.  Returns
+    ``{regime: {"reply" | "first16" | "first_reply": sums}}`` (``metrics`` turns them into means).
+    """
+    device = next(model.parameters()).device
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    for i in range(0, rows["input_ids"].shape[0], batch_size):
+        ids, pos, loss = (
+            rows[k][i : i + batch_size].to(device) for k in ("input_ids", "position_ids", "loss_mask")
+        )
+        masks = subsets(loss, pos, first_tokens)
+        model.set_mode("teacher")
+        teacher = model.model(ids, position_ids=pos, use_cache=False).last_hidden_state
+        model.set_mode("student")
+        for regime, window in windows.items():
+            exact = (
+                torch.zeros_like(masks["reply"]) if window is None else exact_kv_positions(loss, pos, window)
+            )
+            student = model.model(
+                ids, position_ids=pos, use_cache=False, swiftkv_exact_mask=exact
+            ).last_hidden_state
+            per_token = token_agreement(student, teacher, model.lm_head, masks["reply"], input_ids=ids).cpu()
+            for name, mask in masks.items():
+                total = per_token[mask[masks["reply"]].cpu()].sum(0)
+                sums.setdefault(regime, {}).setdefault(name, torch.zeros(5, dtype=torch.float64)).add_(total)
+    return sums
+
+
+def metrics(sums: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, dict[str, float]]]:
+    return {
+        regime: {name: metrics_from_sums(s) for name, s in parts.items()} for regime, parts in sums.items()
+    }
+
+
+def served_sums(
+    model,
+    samples: list[dict],
+    seq_len: int,
+    pad: int,
+    windows: dict[str, int | None],
+    batch_size: int = 4,
+    **cut,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``regime_sums`` of every reply scored as served (``per_reply_samples``); the ``first_reply`` subset is the
+    first reply of each conversation."""
+    first = regime_sums(
+        model, pack(per_reply_samples(samples, seq_len, slice(1), **cut), seq_len, pad), windows, batch_size
+    )
+    later_samples = per_reply_samples(samples, seq_len, slice(1, None), **cut)
+    if not later_samples:
+        return first
+    later = regime_sums(model, pack(later_samples, seq_len, pad), windows, batch_size)
+    for regime, parts in first.items():
+        for name in parts:
+            if name != "first_reply":
+                parts[name] += later[regime][name]
+    return first
+
+
+def exact_kv_table(
+    model,
+    tokenizer,
+    window: int,
+    n_conversations: int = 32,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    data: str | Path = "sharegpt",
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The forward-only measurement of what exact K/V buy a checkpoint, in five regimes: ``none`` (the student
+    as it is), ``every_reply`` (every reply token exact, the continued regime at W = 1), ``each_reply``
+    (each reply's own tokens only, earlier turns SwiftKV: as served at W = 1), ``every_reply_window`` (every
+    reply token and the ``window`` prompt positions before each reply) and ``served_window`` (as served at W)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    samples = conversation_samples(tokenizer, n_conversations, seq_len, data)
+    table = regime_sums(
+        model,
+        pack(samples, seq_len, pad),
+        {"none": None, "every_reply": 1, "every_reply_window": window},
+        batch_size,
+    )
+    table.update(
+        served_sums(model, samples, seq_len, pad, {"each_reply": 1, "served_window": window}, batch_size)
+    )
+    return metrics(table)
+
+
+REGIMES = {
+    "none": "none (the student as it is)",
+    "every_reply": "every reply token",
+    "each_reply": "each reply's own tokens only; earlier turns SwiftKV (as served, W = 1)",
+    "every_reply_window": "every reply token + the {w} prompt tokens before each reply",
+    "served_window": "each reply's own tokens + the {w} prompt tokens before it (as served, W = {w})",
+}
+
+
+def exact_kv_lines(table: dict, window: int, first_tokens: int = FIRST_TOKENS) -> list[str]:
+    """The ``exact_kv_table`` in markdown: KL at T = 1 per regime on each subset."""
+    lines = [
+        f"| positions with exact K/V in layers >= l | KL, reply tokens | KL, first {first_tokens} tokens of each reply "
+        "| KL, first reply | top-1, reply tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for regime, label in REGIMES.items():
+        parts = table[regime]
+        cells = [parts[name]["kl"] for name in ("reply", f"first{first_tokens}", "first_reply")]
+        lines.append(
+            f"| {label.format(w=window)} | "
+            + " | ".join(f"{c:.3f}" for c in cells)
+            + f" | {parts['reply']['top1_agreement']:.3f} |"
+        )
+    return lines
