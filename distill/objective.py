@@ -11,6 +11,8 @@ computation (tests/test_distill_objective.py).
 ``DistillationObjective`` wraps the causal LM so that accelerate/DeepSpeed see one module whose forward
 returns the loss.  It knows only the model's small distillation interface: ``set_mode``,
 ``swiftkv_parameter_names`` and ``model.teacher_student_hidden`` (layers < l computed once for both paths).
+With exact K/V (``config.exact_kv_window``), the student's exact positions come from the loss mask
+(``swiftkv.modeling_swiftkv.exact_kv_positions``): the tokens a served reply runs through every layer.
 With ``shared_lower_layers=False`` it runs two ordinary forward passes instead (the naive baseline).
 """
 
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from swiftkv.modeling_swiftkv import exact_kv_positions
 
 from .recipe import LossSection
 
@@ -159,23 +163,37 @@ class DistillationObjective(nn.Module):
         """The SwiftKV causal LM, also when peft wraps it."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def _hidden(self, input_ids, position_ids):
+    def _hidden(self, input_ids, position_ids, exact_mask):
         lm = self.causal_lm
         if self.shared_lower_layers:
             teacher, student, t_in, s_in = lm.model.teacher_student_hidden(
-                input_ids, position_ids=position_ids
+                input_ids, position_ids=position_ids, exact_mask=exact_mask
             )
             return teacher, student, t_in, s_in, lm.lm_head
         lm.set_mode("teacher")
         with torch.no_grad():
             t_out = lm(input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
         lm.set_mode("student")
-        s_out = lm(input_ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+        s_out = lm(
+            input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=True,
+            swiftkv_exact_mask=exact_mask,
+        )
         return t_out.logits, s_out.logits, t_out.hidden_states[-2], s_out.hidden_states[-2], nn.Identity()
+
+    def exact_mask(self, position_ids, loss_mask) -> torch.Tensor | None:
+        """With exact K/V (``exact_kv_window`` W), the positions that take them: the ones the loss counts (the
+        reply tokens and the last prompt token before each reply, all run every layer when a reply is generated)
+        and the W - 1 prompt positions before each reply; the student trains in the regime it is served in."""
+        window = getattr(self.causal_lm.config, "exact_kv_window", 0)
+        return exact_kv_positions(loss_mask, position_ids, window) if window else None
 
     def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:
         cfg = self.loss_cfg
-        teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids)
+        exact = self.exact_mask(position_ids, loss_mask)
+        teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids, exact)
         mask = loss_mask.to(student.dtype)
         kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens, cfg.normalize)
         mse = masked_mse(s_in, t_in, mask, cfg.normalize) if cfg.mse_weight > 0 else kl.new_zeros(())

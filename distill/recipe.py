@@ -67,6 +67,22 @@ class ModelSection(_Section):
         "float32", description="weights dtype when loading"
     )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    exact_kv_window: int | None = Field(
+        None,
+        ge=0,
+        description="exact K/V (swiftkv config exact_kv_window W): the tokens that run layers >= l when served "
+        "(replies, and the W prompt tokens before each reply) take exact K/V there, in training as in serving; "
+        "0: off; default: the checkpoint's own (0 for a fresh conversion)",
+    )
+
+    @model_validator(mode="after")
+    def _exact_kv_needs_layers(self):
+        if self.exact_kv_window and self.swiftkv is not None and self.swiftkv.group_size > 1:
+            raise ValueError(
+                f"exact_kv_window={self.exact_kv_window} needs swiftkv.group_size=1 (an AcrossKV group shares one "
+                "K/V; exact K/V are per layer)"
+            )
+        return self
 
     @field_validator("source")
     @classmethod

@@ -156,11 +156,24 @@ def tokenizing_first(accelerator: Accelerator, cache_dir: str | None):
     return accelerator.main_process_first() if shared else accelerator.local_main_process_first()
 
 
+def check_exact_kv(recipe: Recipe, source_config: dict) -> None:
+    """Refuse ``model.exact_kv_window`` on a SwiftKV source with AcrossKV groups, before any expensive work (a
+    base source is checked by the recipe against ``model.swiftkv.group_size``)."""
+    window, groups = recipe.model.exact_kv_window, source_config.get("key_value_group_size", 1)
+    if window and "num_key_value_layers" in source_config and groups > 1:
+        raise UsageError(
+            f"model.exact_kv_window={window} needs key_value_group_size 1, but {recipe.model.source} has AcrossKV "
+            f"groups of {groups} (to resolve, set model.exact_kv_window=0 or start from a checkpoint without groups)"
+        )
+
+
 def load_model(recipe: Recipe, source: Path):
-    """The SwiftKV model in student mode."""
+    """The SwiftKV model in student mode, with the recipe's exact K/V window (saved with the checkpoint)."""
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=getattr(torch, recipe.model.dtype), attn_implementation=recipe.model.attn_implementation
     )
+    if recipe.model.exact_kv_window is not None:
+        model.config.exact_kv_window = recipe.model.exact_kv_window
     model.set_mode("student")
     return model
 
@@ -314,6 +327,7 @@ def setup(recipe: Recipe) -> Run:
     check_sources(recipe.data)  # a gated source without a login, a missing file: before the conversion
     base = source_folder(recipe, accelerator)
     check_seq_len(recipe.data, read_config(base).get("max_position_embeddings"))  # before the conversion
+    check_exact_kv(recipe, read_config(base))
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None:
         if resume.elastic:

@@ -80,3 +80,39 @@ def test_shared_lower_layers_equals_two_passes(family):
     for name, grad in results[0][2].items():
         torch.testing.assert_close(grad, results[1][2][name], atol=1e-5, rtol=1e-3)
     assert results[0][0] > 0 and all(g.abs().sum() > 0 for g in results[0][2].values())
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_exact_kv_student_trains_on_the_served_positions(shared):
+    """With exact_kv_window W, the student's K/V are exact at the loss-counted positions and the W - 1 before
+    each reply (exact_kv_positions), in both paths: its KL is the one of the reference student with that mask by
+    hand, and differs from the plain student's."""
+    from swiftkv_reference import student_logits
+
+    from swiftkv.modeling_swiftkv import exact_kv_positions
+
+    model = to_swiftkv(tiny_base("llama"), 2, 1)
+    for name in model.swiftkv_parameter_names():
+        model.get_parameter(name).data.add_(0.05 * torch.randn_like(model.get_parameter(name)))
+    ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(5))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5]])  # two packed samples
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0]])
+    loss = LossSection(temperature=1.0, mse_weight=0.0)
+    objective = DistillationObjective(model, loss, shared_lower_layers=shared).eval()
+    with torch.no_grad():
+        plain = objective(ids, pos, mask)["kl"]
+        model.config.exact_kv_window = 2
+        got = objective(ids, pos, mask)["kl"]
+        exact = exact_kv_positions(mask, pos, 2)
+        assert exact.int().tolist() == [[0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0]]
+        # the reference runs one sample at a time (its positions restart at 0 without packing)
+        kl = []
+        for part in (slice(0, 8), slice(8, 14)):
+            model.set_mode("teacher")
+            teacher = model(ids[:, part]).logits.log_softmax(-1)
+            model.set_mode("student")
+            student = student_logits(model, ids[:, part], None, exact[:, part]).log_softmax(-1)
+            counted = mask[:, part].bool()
+            kl.append((teacher.exp() * (teacher - student)).sum(-1)[counted])
+    torch.testing.assert_close(got, torch.cat(kl).mean(), atol=1e-5, rtol=1e-4)
+    assert (got - plain).abs() > 1e-3

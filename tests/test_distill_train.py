@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from distill.objective import DistillationObjective
 from distill.recipe import Recipe, RecipeError, load_recipe
 from distill.train import fingerprint, select_trainable
+import swiftkv.convert
 from swiftkv.convert import to_swiftkv
 
 SCAR = "checkpoint.scar={fraction: 1.0, every_steps: 1, block_bytes: 4096}"
@@ -281,3 +282,22 @@ def test_resume_fingerprint_ignores_how_the_data_is_built(tmp_path):
     runtime = ["data.num_proc=7", f"data.cache_dir={tmp_path}", "data.tokenize_timeout_minutes=600"]
     assert fingerprint(load_recipe(path, runtime)) == base
     assert fingerprint(load_recipe(path, ["data.seq_len=64"])) != base
+
+
+@pytest.mark.smollm2
+def test_exact_kv_window_trains_in_the_served_regime_and_is_saved(tiny_chat_model, chat_data, tmp_path, capsys):
+    """model.exact_kv_window: the run's exported checkpoint carries the window, and its held-out metrics (which
+    the trainer computes with the served positions exact) are those of that checkpoint reloaded; AcrossKV
+    groups are refused in one line before any work, for a conversion and for a given SwiftKV source."""
+    out = tmp_path / "exact"
+    recipe = write_recipe(tmp_path, tiny_chat_model, chat_data, out, max_steps=2)
+    distill(recipe, "model.exact_kv_window=4")
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["exact_kv_window"] == 4
+    assert held_out_metrics(recipe, out / "model")[0] == pytest.approx(final_kl(out), rel=1e-4)
+    with pytest.raises(RecipeError, match="exact_kv_window=4 needs swiftkv.group_size=1"):
+        load_recipe(recipe, ["model.exact_kv_window=4", "model.swiftkv.group_size=3"])
+    grouped = tmp_path / "grouped"
+    swiftkv.convert.convert(tiny_chat_model, grouped, num_key_value_layers=3, group_size=3)
+    error = refused(capsys, recipe, f"model.source={grouped}", "model.exact_kv_window=4", f"output_dir={tmp_path}/g")
+    assert "has AcrossKV groups of 3" in error
