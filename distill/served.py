@@ -33,10 +33,11 @@ FIRST_TOKENS = 16
 
 
 def conversation_samples(
-    tokenizer, n: int, seq_len: int, data: str | Path = "sharegpt", min_context: int = 0
+    tokenizer, n: int, seq_len: int, data: str | Path = "sharegpt", min_context: int = 0, required: bool = True
 ) -> list[dict]:
     """Rendered samples (``input_ids``, ``counted``) of the first ``n`` held-out conversations of ``data`` with a
-    reply that starts after at least ``min_context`` tokens and within ``seq_len``."""
+    reply that starts after at least ``min_context`` tokens and within ``seq_len`` (none found: a one-line error,
+    or ``[]`` when not ``required``)."""
     samples = []
     for messages in iter_conversations(data, split="heldout"):
         if not any(m["role"] == "assistant" for m in messages):
@@ -47,7 +48,7 @@ def conversation_samples(
             samples.append(sample)
         if len(samples) >= n:
             return samples
-    if not samples:
+    if not samples and required:
         raise UsageError(
             f"no held-out conversation of {data} has a reply after {min_context} tokens and within {seq_len} "
             "(to resolve, evaluate on longer sequences or on conversations with shorter prompts)"
@@ -121,7 +122,7 @@ def regime_sums(
     (``exact_kv_positions``), or None for no exact position.  The teacher runs once per batch.  Returns
     ``{regime: {"reply" | "first16" | "first_reply": sums}}`` (``metrics`` turns them into means).
     """
-    device = next(model.parameters()).device
+    device = model.get_input_embeddings().weight.device  # accelerate's hooks move inputs on from there
     sums: dict[str, dict[str, torch.Tensor]] = {}
     for i in range(0, rows["input_ids"].shape[0], batch_size):
         ids, pos, loss = (

@@ -7,11 +7,71 @@ HellaSwag 10-shot, TruthfulQA 0-shot mc2, MMLU 5-shot, MMLU-CoT (mmlu_flan_cot_z
 
 ``device`` is ``cpu``, ``cuda`` (one GPU) or ``auto`` (lm-eval's ``parallelize``: ``device_map="auto"`` over
 every visible GPU); ``dtype`` float32, bfloat16 or float16, as ``eval.quality``.
+
+A checkpoint with exact K/V (``exact_kv_window`` W) is scored as served: lm-eval's HF model scores a request by
+one forward over context + continuation, and ``ServedHFLM`` marks the continuation (and the W prompt tokens
+before it) as generated, so they take exact K/V as they would when a server generates them.  Stock lm-eval
+runs the plain forward, which treats the whole input as one prompt: the conservative number.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from swiftkv.modeling_swiftkv import exact_kv_positions
+
+
+class ServedHFLM(HFLM):
+    """lm-eval's HF causal LM whose log-likelihood forwards mark each request's continuation as generated
+    (module docstring); for other models it is lm-eval's own."""
+
+    _continuations: dict[int, dict[tuple[int, ...], int]] | None = None
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        # lm-eval batches and pads the requests itself: keep each one's input (as lm-eval cuts it) -> continuation
+        # length, keyed by input length, so that _model_call can find every row's continuation
+        if getattr(self.model.config, "exact_kv_window", 0) and getattr(self.model.config, "swiftkv", False):
+            self._continuations = {}
+            for _, context, continuation in requests:
+                inp = (context + continuation)[-(self.max_length + 1) :][:-1]
+                self._continuations.setdefault(len(inp), {})[tuple(inp)] = len(continuation)
+        try:
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+        finally:
+            self._continuations = None
+
+    def generated_positions(self, inps: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] bool: the positions whose logits score a continuation token (lm-eval pads rows on the
+        right with 0)."""
+        scored = torch.zeros(inps.shape, dtype=torch.bool)
+        for b, row in enumerate(inps.tolist()):
+            last = max((i for i, t in enumerate(row) if t), default=-1)
+            for length, inputs in self._continuations.items():
+                contlen = inputs.get(tuple(row[:length])) if length > last else None
+                if contlen is not None:
+                    scored[b, max(length - contlen, 0) : length] = True
+                    break
+            else:
+                raise RuntimeError(f"lm-eval row {b} matches no request (an lm-eval change in how rows are built)")
+        return scored
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        if self._continuations is None:
+            return super()._model_call(inps, attn_mask, labels)
+        positions = torch.arange(inps.shape[1]).expand(inps.shape[0], -1)
+        exact = exact_kv_positions(self.generated_positions(inps), positions, self.model.config.exact_kv_window)
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=self.device.type,
+                dtype=self.mixed_precision_dtype,
+                enabled=self.mixed_precision_dtype is not None,
+            ),
+        ):
+            return self.model(inps, use_cache=False, swiftkv_exact_mask=exact.to(inps.device)).logits
 
 
 def run_harness(
@@ -33,20 +93,19 @@ def run_harness(
     from .quality import check_placement
 
     check_placement(device, dtype)
+    model = ServedHFLM(
+        pretrained=str(model_dir),
+        dtype=dtype,
+        backend="causal",
+        max_length=max_length,
+        batch_size=batch_size,
+        **({"parallelize": True} if device == "auto" else {"device": device}),
+    )
     results = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={
-            "pretrained": str(model_dir),
-            "dtype": dtype,
-            "backend": "causal",
-            "max_length": max_length,
-            **({"parallelize": True} if device == "auto" else {}),
-        },
+        model=model,
         tasks=tasks,
         task_manager=TaskManager(include_path=str(tasks_dir)),
         limit=limit,
-        batch_size=batch_size,
-        device=None if device == "auto" else device,
         log_samples=False,
         bootstrap_iters=0,
     )

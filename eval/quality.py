@@ -6,6 +6,20 @@ tokens, teacher and student perplexity on those tokens, and greedy-generation ag
 (the share of generated tokens before the first divergence).  A non-SwiftKV checkpoint is its own teacher:
 KL 0, agreement 1.
 
+Two numbers for the token metrics, so that nobody is fooled by either:
+
+* **all prompt** (the top-level keys): every position treated as a prompt token, SwiftKV K/V in layers >= l
+  everywhere (a full teacher-forced forward with no exact position): the conservative number;
+* **as served** (``served``): each reply scored in a sample of its own, cut after it, with everything before
+  it as prompt, so that exactly the positions a served request runs through every layer (that reply, and with
+  ``exact_kv_window = W`` the W prompt tokens before it) take exact K/V (``distill.served``), as vLLM or
+  ``generate()`` without a prefix-cache hit compute them.  Subsets: every reply token, the first 16 tokens of
+  each reply, the first reply of each conversation, and replies after at least ``long_context`` prompt tokens
+  (``long_prompt``: the prompt-heavy requests RAG and summarization serve).  Without exact K/V the two regimes
+  differ only in which replies they cut.
+
+Greedy agreement runs ``generate()``, which serves the checkpoint as it is (exact K/V included).
+
 Teacher and student are the same weights, so they are always evaluated on the same device and in the same
 dtype; ``load_for_eval`` places them: ``cpu``, ``cuda`` (one GPU) or ``auto`` (``device_map="auto"``: the
 layers spread over every visible GPU, what does not fit offloaded to CPU by accelerate's hooks), in float32,
@@ -23,6 +37,7 @@ from tqdm.auto import tqdm
 
 from distill.data import pack, render_conversation
 from distill.objective import agreement_metrics, metrics_from_sums
+from distill.served import conversation_samples, metrics, served_sums
 from swiftkv.assets import iter_conversations
 from swiftkv.cliargs import UsageError
 
@@ -92,9 +107,11 @@ def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> 
         )
         logits = {}
         for mode in _modes(model) or ("teacher",):
+            extra = {}
             if _modes(model):
                 model.set_mode(mode)
-            logits[mode] = model(ids, position_ids=pos, use_cache=False).logits.float()
+                extra["swiftkv_exact_mask"] = torch.zeros_like(ids, dtype=torch.bool)  # all prompt
+            logits[mode] = model(ids, position_ids=pos, use_cache=False, **extra).logits.float()
         logits.setdefault("student", logits["teacher"])
         mask, ids = mask.to(logits["student"].device), ids.to(logits["student"].device)
         sums += agreement_metrics(
@@ -134,6 +151,36 @@ def generation_agreement(model, tokenizer, prompts: list[str], max_new_tokens: i
     }
 
 
+@torch.no_grad()
+def served_metrics(
+    model,
+    tokenizer,
+    n_conversations: int = 32,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    data: str | Path = "sharegpt",
+    long_context: int = 1024,
+    n_long: int = 8,
+    long_reply: int = 64,
+) -> dict[str, dict[str, float]]:
+    """Token metrics as served (module docstring): ``{"reply" | "first16" | "first_reply" | "long_prompt":
+    metrics}``; ``long_prompt`` covers the first ``long_reply`` tokens of each reply that starts after at least
+    ``long_context`` tokens in the first ``n_long`` such held-out conversations (0, or data without one: left
+    out)."""
+    window = model.config.exact_kv_window or None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    samples = conversation_samples(tokenizer, n_conversations, seq_len, data)
+    out = metrics(served_sums(model, samples, seq_len, pad, {"served": window}, batch_size))["served"]
+    if n_long:
+        long_len = long_context + long_reply
+        long = conversation_samples(tokenizer, n_long, long_len, data, long_context, required=False)
+        if long:
+            cut = {"min_context": long_context, "max_reply": long_reply}
+            sums = served_sums(model, long, long_len, pad, {"served": window}, 1, **cut)
+            out["long_prompt"] = metrics(sums)["served"]["reply"]
+    return out
+
+
 def quality_of(
     model,
     tokenizer,
@@ -143,14 +190,22 @@ def quality_of(
     max_new_tokens: int = 32,
     batch_size: int = 4,
     data: str | Path = "sharegpt",
-) -> dict[str, float]:
-    """All quality metrics of a loaded model against its teacher mode."""
+    n_long: int = 8,
+) -> dict:
+    """All quality metrics of a loaded model against its teacher mode (``served``: as served, for a SwiftKV
+    model)."""
     rows = held_out_rows(tokenizer, n_conversations, seq_len, data)
     prompts = [p for p, _ in held_out_pairs(n_prompts, max_chars=400, data=data)]
-    return {
+    out = {
         **token_metrics(model, rows, batch_size),
         **generation_agreement(model, tokenizer, prompts, max_new_tokens),
     }
+    if _modes(model):
+        out["exact_kv_window"] = model.config.exact_kv_window
+        out["served"] = served_metrics(
+            model, tokenizer, n_conversations, seq_len, batch_size, data, n_long=n_long
+        )
+    return out
 
 
 def evaluate_quality(
@@ -164,10 +219,11 @@ def evaluate_quality(
     dtype: str = "float32",
     batch_size: int = 4,
     data: str | Path = "sharegpt",
-) -> dict[str, float | str]:
+    n_long: int = 8,
+) -> dict:
     """All quality metrics of one checkpoint against its teacher, with the device and dtype they ran in."""
     model, tokenizer = load_for_eval(model_dir, device, dtype)
-    metrics = quality_of(
-        model, tokenizer, n_conversations, seq_len, n_prompts, max_new_tokens, batch_size, data
+    result = quality_of(
+        model, tokenizer, n_conversations, seq_len, n_prompts, max_new_tokens, batch_size, data, n_long
     )
-    return {**metrics, "device": device, "dtype": dtype}
+    return {**result, "device": device, "dtype": dtype}

@@ -89,7 +89,8 @@ def _title(src: Path, config: dict) -> str:
 
     shape = Shape.from_config(config)
     title = f"{model_name(src)}, SwiftKV {(shape.layers - shape.num_key_value_layers) / shape.layers:.0%}"
-    return title + (f", AcrossKV group size {shape.group_size}" if shape.group_size > 1 else "")
+    title += f", AcrossKV group size {shape.group_size}" if shape.group_size > 1 else ""
+    return title + (f", exact K/V W = {shape.exact_kv_window}" if shape.exact_kv_window else "")
 
 
 def _layout_table(config: dict) -> list[str]:
@@ -98,16 +99,41 @@ def _layout_table(config: dict) -> list[str]:
     shape = Shape.from_config(config)
     L, l = shape.layers, shape.num_key_value_layers
     return [
-        "| layers | num_key_value_layers (l) | SwiftKV layers | key_value_group_size | KV bytes/token (16-bit) |",
-        "|---|---|---|---|---|",
+        "| layers | num_key_value_layers (l) | SwiftKV layers | key_value_group_size | exact_kv_window "
+        "| KV bytes/token (16-bit) |",
+        "|---|---|---|---|---|---|",
         f"| {L} | {l} | {l}..{L - 1} ({L - l}, {(L - l) / L:.0%}) | {shape.group_size} "
+        f"| {shape.exact_kv_window or 'off'} "
         f"| {kv_bytes_per_token(shape)} (original {kv_bytes_per_token(shape, swiftkv=False)}) |",
+        *(
+            [
+                "",
+                f"Exact K/V (W = {shape.exact_kv_window}): the tokens that run layers {l}..{L - 1} anyway (every "
+                f"generated and speculative token, and the last {shape.exact_kv_window} prompt tokens of each "
+                "prefill) store the original layer's own keys and values there; the other prompt tokens keep "
+                "SwiftKV's.",
+            ]
+            if shape.exact_kv_window
+            else []
+        ),
     ]
 
 
+def _numbers(metrics: dict, prefix: str = "") -> list[tuple[str, float]]:
+    """The numeric leaves of nested metrics, named by their path (``served first16 kl``)."""
+    out = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out += _numbers(value, f"{prefix}{key} ")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
 def quality_section(metrics: dict, caption: str) -> list[str]:
-    """A card section with the numeric metrics of one measurement and what they were measured on."""
-    rows = [f"| {k} | {v:.4g} |" for k, v in metrics.items() if isinstance(v, int | float)]
+    """A card section with the numeric metrics of one measurement (nested ones by their path) and what they
+    were measured on."""
+    rows = [f"| {k} | {v:.4g} |" for k, v in _numbers(metrics)]
     return [QUALITY_HEADING, "", caption, "", "| metric | value |", "|---|---|", *rows, ""]
 
 

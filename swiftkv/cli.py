@@ -10,6 +10,7 @@ from .cliargs import ArgumentParser, add_checkpoint, add_dtype, add_force, int_l
 EPILOG = """examples:
   swiftkv convert ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct out/smollm2-swiftkv50 --swiftkv-fraction 0.5
   swiftkv convert SRC out/llama-8b-swiftkv --num-key-value-layers 16 --group-size 2 --dtype bfloat16
+  swiftkv convert SRC out/llama-8b-swiftkv50x --swiftkv-fraction 0.5 --exact-kv-window 32
   swiftkv info out/smollm2-swiftkv50
   swiftkv fetch all        # SmolLM2-135M-Instruct + ShareGPT into ~/.cache/swiftkv-toolkit
 """
@@ -31,7 +32,8 @@ def _info(model_dir: Path, lengths: list[int]) -> str:
     lines = [
         f"{model_dir}: {config.get('model_type')}, {L} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads",
         f"layers 0..{l - 1} normal; layers {l}..{L - 1} SwiftKV ({L - l} layers, {(L - l) / L:.0%}), "
-        f"group size {s.group_size} -> {s.groups} KV groups",
+        f"group size {s.group_size} -> {s.groups} KV groups; exact K/V "
+        + (f"for generated tokens and the last {s.exact_kv_window} prompt tokens" if s.exact_kv_window else "off"),
         f"KV bytes/token (16-bit): original {kv_bytes_per_token(s, swiftkv=False)}, "
         f"SwiftKV {kv_bytes_per_token(s)} ({kv_bytes_per_token(s) / kv_bytes_per_token(s, swiftkv=False):.1%})",
         f"{'prompt':>8} {'orig GFLOP':>11} {'SwiftKV GFLOP':>14} {'ideal speedup':>14}",
@@ -66,6 +68,7 @@ def _convert(args) -> str:
         num_key_value_layers=args.num_key_value_layers,
         swiftkv_fraction=args.swiftkv_fraction,
         group_size=args.group_size,
+        exact_kv_window=args.exact_kv_window,
         dtype=args.dtype,
         force=args.force,
     )
@@ -84,6 +87,13 @@ def build_parser() -> ArgumentParser:
     which.add_argument("--num-key-value-layers", type=int, help="l: layers 0..l-1 stay normal")
     which.add_argument("--swiftkv-fraction", type=float, help="fraction of layers that become SwiftKV layers")
     conv.add_argument("--group-size", type=int, default=1, help="AcrossKV: SwiftKV layers sharing one K/V")
+    conv.add_argument(
+        "--exact-kv-window",
+        type=int,
+        default=0,
+        metavar="W",
+        help="exact K/V in layers >= l for generated tokens and the last W prompt tokens (default 0: off)",
+    )
     add_dtype(conv)
     add_force(conv)
     info = sub.add_parser("info", help="print the layout and the prefill FLOP / KV-byte savings")

@@ -357,19 +357,28 @@ def convert(
     num_key_value_layers: int | None = None,
     swiftkv_fraction: float | None = None,
     group_size: int = 1,
+    exact_kv_window: int = 0,
     dtype: str = "auto",
     force: bool = False,
 ) -> Path:
-    """Convert the HF checkpoint ``src`` into a SwiftKV checkpoint at ``dst`` and return ``dst``."""
+    """Convert the HF checkpoint ``src`` into a SwiftKV checkpoint at ``dst`` and return ``dst``.
+    ``exact_kv_window`` W >= 1 turns on exact K/V (``configuration_swiftkv``); 0 keeps the published semantics."""
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if exact_kv_window < 0 or (exact_kv_window and group_size > 1):
+        raise ConversionError(
+            f"--exact-kv-window {exact_kv_window} needs to be >= 0 and --group-size 1 (an AcrossKV group shares "
+            "one K/V; exact K/V are per layer)"
+        )
     base = read_config(src)
     num_layers = base.get("num_hidden_layers")
     if not isinstance(num_layers, int):
         raise ConversionError(f"source config {src / 'config.json'} has no integer num_hidden_layers")
     l = resolve_num_key_value_layers(num_layers, num_key_value_layers, swiftkv_fraction, group_size)
     config = swiftkv_config(base, l, group_size)
+    if exact_kv_window:
+        config["exact_kv_window"] = exact_kv_window
     shards = _source_shards(src)
     torch_dtype = DTYPES[dtype]
     if torch_dtype is not None:
@@ -404,7 +413,7 @@ def convert(
         source_id, revision = source_identity(src)
         made_by = [
             f"`swiftkv convert` with num_key_value_layers {l} of {num_layers}, key_value_group_size "
-            f"{group_size}, dtype {dtype}. The SwiftKV projections start as copies of the original's "
+            f"{group_size}, exact_kv_window {exact_kv_window}, dtype {dtype}. The SwiftKV projections start as copies of the original's "
             "(queries, the norm) and group means (keys, values): not distilled yet; distill it "
             "(`python -m distill`) before serving it.",
         ]
@@ -418,6 +427,7 @@ def convert(
             source_model_type=base["model_type"],
             num_key_value_layers=l,
             key_value_group_size=group_size,
+            exact_kv_window=exact_kv_window,
             swiftkv_fraction=swiftkv_fraction,
             dtype=dtype,
         )

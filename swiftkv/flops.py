@@ -13,6 +13,12 @@ Original prefill = n·L·proj + L·attn(n) + head.  SwiftKV prefill = n·l·proj
 (one query row per later layer) + head.  The FLOP-ideal speedup is their ratio.  Norms, RoPE and softmax
 are ignored (<1% here).
 
+With exact K/V (``exact_kv_window`` W), the last w = min(W, n) prompt tokens run every later layer, with their
+own k/v projections there, and attend over up to n keys; the G group K/V are computed for the other n − w
+tokens only: SwiftKV prefill = n·l·proj + l·attn(n) + (n − w)·(2·2·h·K·d)·G + (L−l)·[w·(proj + k/v) +
+2·2·H·d·(sum of the w rows' key counts)] + head.  A decode token computes exact k/v in every layer, as the
+original does.
+
 A served request of p prompt and o output tokens costs its prefill (which yields the first output token) and
 o − 1 decode steps; the step after c cached tokens runs every layer on one token, attends over c + 1 keys in
 each, and computes its logits: L·proj + L·2·2·H·d·(c+1) + head for the original, the same with the k/v
@@ -41,6 +47,7 @@ class Shape:
     vocab: int
     num_key_value_layers: int
     group_size: int = 1
+    exact_kv_window: int = 0
 
     @classmethod
     def from_config(cls, config) -> Shape:
@@ -57,6 +64,7 @@ class Shape:
             vocab=get("vocab_size"),
             num_key_value_layers=get("num_key_value_layers") or layers,
             group_size=get("key_value_group_size") or 1,
+            exact_kv_window=get("exact_kv_window") or 0,
         )
 
     @property
@@ -66,7 +74,7 @@ class Shape:
     @property
     def original(self) -> Shape:
         """The same model without SwiftKV layers (l = L): every function here then counts the original."""
-        return replace(self, num_key_value_layers=self.layers, group_size=1)
+        return replace(self, num_key_value_layers=self.layers, group_size=1, exact_kv_window=0)
 
 
 def projection_flops(s: Shape) -> int:
@@ -95,14 +103,22 @@ def prefill_flops_original(s: Shape, n: int) -> int:
 def prefill_flops_swiftkv(s: Shape, n: int) -> int:
     l = s.num_key_value_layers
     lower = n * l * (projection_flops(s) + kv_flops(s)) + l * attention_flops(s, n)
-    swift_kv = n * kv_flops(s) * s.groups
-    upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)
+    if s.exact_kv_window and l < s.layers:
+        rows = min(s.exact_kv_window, n)
+        keys = rows * n - rows * (rows - 1) // 2  # the last rows attend over n, n - 1, ... keys
+        swift_kv = (n - rows) * kv_flops(s) * s.groups
+        upper = (s.layers - l) * (rows * (projection_flops(s) + kv_flops(s)) + 2 * 2 * s.heads * s.head_dim * keys)
+    else:
+        swift_kv = n * kv_flops(s) * s.groups
+        upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)
     return lower + swift_kv + upper + 2 * s.hidden * s.vocab
 
 
 def _decode_token(s: Shape) -> int:
-    """A decode step without its attention: projections (SwiftKV: the group K/V from x_l) and the logits."""
-    kv = (s.num_key_value_layers + s.groups) * kv_flops(s)
+    """A decode step without its attention: projections (SwiftKV: the group K/V from x_l; with exact K/V each
+    layer's own k/v) and the logits."""
+    exact = s.exact_kv_window and s.num_key_value_layers < s.layers
+    kv = (s.layers if exact else s.num_key_value_layers + s.groups) * kv_flops(s)
     return s.layers * projection_flops(s) + kv + 2 * s.hidden * s.vocab
 
 

@@ -409,3 +409,23 @@ def test_peak_memory_is_one_shard_not_every_layers_attention(tmp_path):
     assert r["shards"] == 25 and r["attention_norm_bytes"] > 2 * bound
     assert r["conversion_rss_bytes"] <= bound, r
     assert not list(tmp_path.glob("bench-convert-*"))  # the benchmark cleans up
+
+
+def test_exact_kv_window_is_a_conversion_option_in_config_card_and_info(tiny_llama_dir, tmp_path, capsys):
+    from huggingface_hub import ModelCard
+
+    dst = tmp_path / "exact"
+    cli(["convert", str(tiny_llama_dir), str(dst), "--swiftkv-fraction", "0.5", "--exact-kv-window", "8"])
+    assert "exact K/V for generated tokens and the last 8 prompt tokens" in capsys.readouterr().out
+    assert json.loads((dst / "config.json").read_text())["exact_kv_window"] == 8
+    assert AutoModelForCausalLM.from_pretrained(dst).config.exact_kv_window == 8
+    card = ModelCard.load(dst / "README.md").text
+    assert card.lstrip().splitlines()[0] == "# tiny-llama, SwiftKV 50%, exact K/V W = 8"
+    assert "Exact K/V (W = 8)" in card and "| 1 | 8 |" in card
+    plain = swiftkv.convert.convert(tiny_llama_dir, tmp_path / "plain", swiftkv_fraction=0.5)
+    assert "exact_kv_window" not in json.loads((plain / "config.json").read_text())  # the published format
+    err = refused(
+        capsys, ["convert", str(tiny_llama_dir), str(tmp_path / "g"), "--num-key-value-layers", "2",
+                 "--group-size", "2", "--exact-kv-window", "8"]
+    )  # fmt: skip
+    assert "--exact-kv-window 8 needs to be >= 0 and --group-size 1" in err and not (tmp_path / "g").exists()

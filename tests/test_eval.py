@@ -252,3 +252,38 @@ def test_stages_skip_when_unchanged_and_rerun_downstream_when_inputs_change(tmp_
     assert (tmp_path / "a-out" / "partial").exists()
     assert pipeline(5) == 11 and calls == ["a", "b", "a", "b"]  # a's input changed: a and b rerun
     assert json.loads((tmp_path / "stages" / "b.json").read_text())["result"] == 11
+
+
+@pytest.mark.smollm2
+def test_served_lm_eval_scores_continuations_as_generated_tokens(tiny_chat_model, tmp_path):
+    """With exact K/V, the harness's lm-eval model scores each continuation as a server generates it: its
+    log-likelihood equals a cached generation that prefills the context and feeds the continuation token by
+    token, for every row of a padded, reordered batch; stock lm-eval (one forward, the input as one prompt)
+    gives another number."""
+    from eval.harness import ServedHFLM
+
+    path = convert(tiny_chat_model, tmp_path / "exact", swiftkv_fraction=0.5)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "exact_kv_window": 3}))
+    lm = ServedHFLM(pretrained=str(path), dtype="float32", backend="causal", max_length=64, batch_size=2, device="cpu")
+    torch.manual_seed(0)
+    requests = [
+        (torch.randint(5, 1000, (n,)).tolist(), torch.randint(5, 1000, (k,)).tolist())
+        for n, k in ((9, 4), (20, 6), (5, 1), (12, 3))
+    ]
+    got = [ll for ll, _ in lm._loglikelihood_tokens([(("", ""), c, x) for c, x in requests])]
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    served, whole = [], []
+    with torch.no_grad():
+        for context, continuation in requests:
+            step = model(torch.tensor([context]), use_cache=True, logits_to_keep=1)
+            total = 0.0
+            for token in continuation:
+                total += step.logits[0, -1].log_softmax(-1)[token].item()
+                step = model(torch.tensor([[token]]), cache=step.cache, use_cache=True)
+            served.append(total)
+            ids = torch.tensor([context + continuation[:-1]])
+            logprobs = model(ids, use_cache=False).logits[0, -len(continuation) :].log_softmax(-1)
+            whole.append(logprobs.gather(-1, torch.tensor(continuation)[:, None]).sum().item())
+    assert got == pytest.approx(served, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(served, whole, strict=True)) > 1e-3

@@ -49,6 +49,7 @@ def test_bf16_agrees_with_fp32_and_records_both(swift, fp32):
     assert abs(bf16["top1_agreement"] - fp32["top1_agreement"]) <= 0.05
     for ppl in ("ppl_teacher", "ppl_student"):
         assert bf16[ppl] == pytest.approx(fp32[ppl], rel=0.03)
+    assert abs(bf16["served"]["reply"]["kl"] - fp32["served"]["reply"]["kl"]) <= 0.01
 
 
 def test_device_map_auto_and_disk_offload_give_the_fp32_numbers(swift, fp32, tmp_path):
@@ -66,8 +67,11 @@ def test_device_map_auto_and_disk_offload_give_the_fp32_numbers(swift, fp32, tmp
     assert "disk" in offloaded.hf_device_map.values()
     assert any(p.device.type == "meta" for p in offloaded.parameters())  # materialized only by the hooks
     metrics = quality_of(offloaded, AutoTokenizer.from_pretrained(model), **SETTINGS, data=data)
-    for key, value in metrics.items():
-        assert value == pytest.approx(fp32[key], rel=1e-5, abs=1e-6), key
+    served = metrics.pop("served")
+    assert served.keys() == fp32["served"].keys()
+    for key, value in [*metrics.items(), *(("served " + k, v) for k, v in served["reply"].items())]:
+        expected = fp32["served"]["reply"][key[7:]] if key.startswith("served ") else fp32[key]
+        assert value == pytest.approx(expected, rel=1e-5, abs=1e-6), key
 
 
 def test_harness_runs_in_bf16(swift, tmp_path):

@@ -53,22 +53,27 @@ def _served(model, prompt: int, output: int) -> tuple[int, int]:
     return prefill, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("l, g", [(2, 2), (3, 1)])
-def test_served_request_flops_match_torch_counter(l, g):
+@pytest.mark.parametrize("l, g, window", [(2, 2, 0), (3, 1, 0), (3, 1, 4)])
+def test_served_request_flops_match_torch_counter(l, g, window):
     base = tiny_base("llama")
     model = to_swiftkv(base, l=l, g=g)
+    model.config.exact_kv_window = window
     for m in (base, model):
         m.set_attn_implementation("eager")
     s = Shape.from_config(model.config)
-    assert s.original == Shape.from_config(base.config)
+    assert s.exact_kv_window == window and s.original == Shape.from_config(base.config)
     prompt, output = 9, 5
     for m, shape, lower in ((base, s.original, s.layers), (model, s, l)):
         prefill, decode = _served(m, prompt, output)
-        # eager's waste: the full square of scores, not the causal triangle
-        square = 2 * 2 * s.heads * s.head_dim * (prompt * prompt - prompt * (prompt + 1) // 2)
-        assert prefill == prefill_flops_swiftkv(shape, prompt) + lower * square
+        # eager's waste: the full square of scores, not the causal triangle (the window's rows: a full
+        # rectangle of rows x prompt in each layer >= l)
+        unit = 2 * 2 * s.heads * s.head_dim
+        square = unit * (prompt * prompt - prompt * (prompt + 1) // 2)
+        rows = window if shape is s else 0
+        square_upper = (s.layers - lower) * unit * (rows * prompt - (rows * prompt - rows * (rows - 1) // 2))
+        assert prefill == prefill_flops_swiftkv(shape, prompt) + lower * square + square_upper
         assert decode == sum(decode_flops(shape, c) for c in range(prompt, prompt + output - 1))
-        assert request_flops(shape, prompt, output) == prefill + decode - lower * square
+        assert request_flops(shape, prompt, output) == prefill + decode - lower * square - square_upper
     assert prefill_flops_swiftkv(s.original, prompt) == prefill_flops_original(s, prompt)
     ratio = ideal_workload_speedup(s, [(prompt, output), (3, 1)])
     total = request_flops(s.original, prompt, output) + request_flops(s.original, 3, 1)
