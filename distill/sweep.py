@@ -6,8 +6,9 @@ same token budget.  Every candidate is an ordinary ``distill.train`` run into ``
 ``accelerate launch`` on every process, resumes from its checkpoints after an interruption and exports a
 normal SwiftKV folder); a candidate whose ``sweep_result.json`` matches its recipe is skipped on a rerun.
 Quality is the trainer's final held-out evaluation (the recipe's ``data.holdout`` rows): KL(teacher ||
-student) at T = 1, top-1 agreement and the perplexity ratio.  Speed is the FLOP-ideal prefill speedup of
-``swiftkv.flops`` at ``prefill_tokens``.  The report (``OUT/sweep.{json,md,png}``, rewritten after every
+student) at T = 1, top-1 agreement and the perplexity ratio; with exact K/V (``model.exact_kv_window`` W) the
+student is trained and evaluated with the served positions exact, and the speedup counts the W prompt tokens
+through the upper layers.  Speed is the FLOP-ideal prefill speedup of ``swiftkv.flops`` at ``prefill_tokens``.  The report (``OUT/sweep.{json,md,png}``, rewritten after every
 candidate) names the largest fraction that meets the user's quality budget (``max_kl``, ``max_ppl_ratio``).
 """
 
@@ -107,14 +108,17 @@ def _initial_kl(out: Path) -> float | None:
 def _result(recipe: Recipe, config: dict, l: int, prefill_tokens: int, steps: int, step_tokens: int) -> dict:
     out = Path(recipe.output_dir)
     final = json.loads((out / "final_metrics.json").read_text())
-    g = recipe.model.swiftkv.group_size
-    shape = Shape.from_config({**config, "num_key_value_layers": l, "key_value_group_size": g})
+    g, window = recipe.model.swiftkv.group_size, recipe.model.exact_kv_window or 0
+    shape = Shape.from_config(
+        {**config, "num_key_value_layers": l, "key_value_group_size": g, "exact_kv_window": window}
+    )
     base = Shape.from_config({**config, "num_key_value_layers": config["num_hidden_layers"]})
     return {
         "num_key_value_layers": l,
         "swiftkv_layers": shape.layers - l,
         "num_layers": shape.layers,
         "fraction": (shape.layers - l) / shape.layers,
+        "exact_kv_window": window,
         "ideal_prefill_speedup": ideal_prefill_speedup(shape, prefill_tokens),
         "kv_cache_share": kv_bytes_per_token(shape) / kv_bytes_per_token(base, swiftkv=False),
         "steps": steps,
@@ -150,7 +154,12 @@ def report_lines(summary: dict) -> list[str]:
         f"# SwiftKV fraction sweep: {summary['model']}",
         "",
         f"Each candidate: the recipe `{summary['recipe']}` at {summary['budget_tokens']:,} tokens "
-        f"(same data, seed and schedule); quality on its held-out rows against the teacher.",
+        f"(same data, seed and schedule); quality on its held-out rows against the teacher"
+        + (
+            f", with exact K/V (W = {summary['results'][0]['exact_kv_window']}) at the served positions."
+            if summary["results"] and summary["results"][0].get("exact_kv_window")
+            else "."
+        ),
         "",
         f"| SwiftKV layers | l | prefill x @{n} (FLOP-ideal) | KV cache | KL init → after | top-1 agree "
         "| ppl ratio | within budget | train s |",

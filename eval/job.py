@@ -47,7 +47,7 @@ FULL = dict(
     fractions=[0.25, 0.5],
     distill_steps=None,  # the recipe's
     distill=[],
-    quality=dict(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32),
+    quality=dict(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32, n_long=8),
     lengths=[512, 1024, 2048],
     repeats=3,
     decode_context=1024,
@@ -66,7 +66,7 @@ QUICK = dict(
         "log.every_steps=1",
         "log.eval_every_steps=null",
     ],
-    quality=dict(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8),
+    quality=dict(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8, n_long=1),
     lengths=[128, 256],
     repeats=1,
     decode_context=128,
@@ -230,7 +230,9 @@ def run_job(
                     v["quality"],
                     f"`python -m eval run` ({dtype} on {device}): on {cfg['quality']['n_conversations']} "
                     "held-out ShareGPT conversations against the teacher (KL at T = 1, top-1 agreement, "
-                    f"perplexities) and greedy agreement on {cfg['quality']['n_prompts']} held-out prompts.",
+                    "perplexities; all prompt: every position as a prompt token; served: each reply with "
+                    "everything before it as prompt, as a server computes it) and greedy agreement on "
+                    f"{cfg['quality']['n_prompts']} held-out prompts.",
                 ),
             )
     measured = [v for v in variants if "before_of" not in v]

@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from distill.sweep import candidate_layers, choose, report_lines, sweep
 from swiftkv.cliargs import UsageError
-from swiftkv.flops import Shape, prefill_flops_original, prefill_flops_swiftkv
+from swiftkv.flops import Shape, ideal_prefill_speedup, prefill_flops_original, prefill_flops_swiftkv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +90,21 @@ def test_sweep_distills_each_candidate_once_and_reports_the_choice(tiny_chat_mod
     with pytest.raises(UsageError, match=r"holds a candidate of another recipe or budget"):
         sweep(tiny_chat_model, [0.5], 600, out, recipe)  # another budget: refused before any work
     assert (out / "sweep.json").read_text() == before
+
+
+@pytest.mark.smollm2
+def test_sweep_with_exact_kv_trains_the_window_and_counts_it_in_the_speedup(tiny_chat_model, chat_data, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_chat_model, chat_data)
+    out = tmp_path / "sweep"
+    summary = sweep(tiny_chat_model, [0.5], 100, out, recipe, ["model.exact_kv_window=4"], prefill_tokens=64)
+    (result,) = summary["results"]
+    config = json.loads((tiny_chat_model / "config.json").read_text())
+    shape = Shape.from_config({**config, "num_key_value_layers": 3, "exact_kv_window": 4})
+    assert result["exact_kv_window"] == 4
+    assert result["ideal_prefill_speedup"] == pytest.approx(ideal_prefill_speedup(shape, 64))
+    assert result["ideal_prefill_speedup"] < ideal_prefill_speedup(replace(shape, exact_kv_window=0), 64)
+    assert json.loads((out / "l3" / "model" / "config.json").read_text())["exact_kv_window"] == 4
+    assert "with exact K/V (W = 4) at the served positions" in (out / "sweep.md").read_text()
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}

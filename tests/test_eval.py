@@ -151,6 +151,12 @@ RUN = {
                 "ppl_student": 6.25,
                 "ppl_teacher": 5.5,
                 "greedy_prefix_agreement": 0.5,
+                "exact_kv_window": 32,
+                "served": {
+                    "reply": {"kl": 0.071, "top1_agreement": 0.905, "ppl_student": 5.94, "ppl_teacher": 5.5},
+                    "first16": {"kl": 0.105},
+                    "first_reply": {"kl": 0.066},
+                },
             },
             "quality_before": {"kl": 0.987, "top1_agreement": 0.543},
             "speed": {
@@ -181,6 +187,9 @@ def test_report_from_a_fixture_run(tmp_path):
         "45.50",
     ):
         assert text in row, text
+    served = [line for line in report.splitlines() if line.startswith("| swiftkv50 ")][1]
+    assert served == "| swiftkv50 | 32 | 0.123 | 0.071 | 0.105 | 0.066 | – | ×1.080 | 0.905 |"  # no long prompt
+    assert not any(line.startswith("| original | off") for line in report.splitlines())
     for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
         assert f"]({png})" in report
