@@ -2,6 +2,9 @@
 
 Two measurements on the recipe's held-out rows, both against the teacher (the same weights in original mode):
 
+With exact K/V (a checkpoint with ``exact_kv_window``), the student's layers outside the swapped block take
+exact K/V at the served positions of each row, as in training.
+
 * **Oracle per block.** The SwiftKV layers are cut into blocks of ``block_layers``; for each block the student
   runs with the teacher's own K/V (its cache, from the teacher's hidden states) in that block's layers, once
   with the student's queries and once with the teacher's query projection too, and the held-out KL it reaches
@@ -38,6 +41,7 @@ from torch.func import functional_call
 from swiftkv.artifacts import read_provenance, write_json_atomic
 from swiftkv.cliargs import UsageError, add_limit, add_model, add_out, run
 from swiftkv.convert import read_config
+from swiftkv.modeling_swiftkv import exact_kv_positions
 
 from .objective import agreement_metrics, metrics_from_sums
 
@@ -210,8 +214,11 @@ def _teacher_queries(layer: nn.Module) -> dict[str, torch.Tensor]:
     return params
 
 
-def _student(model, x_l, prepared, kv, teacher_kv, swap: set[int], teacher_queries: bool) -> torch.Tensor:
-    """The student's final normed hidden states with layers in ``swap`` on the teacher's K/V (and queries)."""
+def _student(
+    model, x_l, prepared, kv, teacher_kv, swap: set[int], teacher_queries: bool, exact=None
+) -> torch.Tensor:
+    """The student's final normed hidden states with layers in ``swap`` on the teacher's K/V (and queries); the
+    other layers take exact K/V at the ``exact`` positions (a checkpoint with ``exact_kv_window``)."""
     base, l, g = model.model, model.config.num_key_value_layers, model.config.key_value_group_size
     x = x_l
     for layer in base.layers[l:]:
@@ -222,6 +229,7 @@ def _student(model, x_l, prepared, kv, teacher_kv, swap: set[int], teacher_queri
             position_embeddings=prepared.position_embeddings,
             position_ids=prepared.position_ids,
             swiftkv_kv=teacher_kv[j] if swapped else kv[(j - l) // g],
+            exact_kv_mask=None if swapped else exact,
         )
         params = _teacher_queries(layer) if swapped and teacher_queries else {}
         x = functional_call(layer, params, (x,), kwargs, strict=False) if params else layer(x, **kwargs)
@@ -356,8 +364,10 @@ def diagnose(
             if oracle:
                 kv = model.model.swiftkv_key_values(x_l, prepared)
                 mask = part["loss_mask"]
+                window = model.config.exact_kv_window
+                exact = exact_kv_positions(mask, pos, window) if window else None  # the served positions
                 for name, (swap, queries) in variants.items():
-                    student = _student(model, x_l, prepared, kv, teacher_kv, swap, queries)
+                    student = _student(model, x_l, prepared, kv, teacher_kv, swap, queries, exact)
                     sums[name] += agreement_metrics(
                         student, teacher, model.lm_head, mask, cfg.loss.chunk_tokens, ids
                     )

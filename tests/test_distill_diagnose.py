@@ -97,8 +97,9 @@ def write_recipe(path: Path, data: Path) -> Path:
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("family,g", [("llama", 1), ("qwen3", 2)])
-def test_oracle_with_every_block_swapped_is_the_teacher(smollm2, chat_data, tmp_path, family, g):
+@pytest.mark.parametrize("family,g,window", [("llama", 1, 0), ("qwen3", 2, 0), ("llama", 1, 3)])
+def test_oracle_with_every_block_swapped_is_the_teacher(smollm2, chat_data, tmp_path, family, g, window):
+    """Also with exact K/V: the student's layers take them at the served positions, as the trainer's do."""
     from transformers import AutoModelForCausalLM
 
     from distill.data import build_datasets, collate_rows
@@ -106,6 +107,8 @@ def test_oracle_with_every_block_swapped_is_the_teacher(smollm2, chat_data, tmp_
     from distill.recipe import load_recipe
 
     checkpoint = swiftkv_chat_model(tmp_path, smollm2, family, 2, g)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "exact_kv_window": window}))
     recipe = write_recipe(tmp_path / "recipe.yaml", chat_data)
     result = diagnose(
         checkpoint, tmp_path / "out", recipe, block_layers=2, fit_rows=8, mlp_hidden=8, mlp_steps=5
