@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from swiftkv.assets import iter_conversations
 from swiftkv.cliargs import UsageError
@@ -124,7 +125,8 @@ def regime_sums(
     """
     device = model.get_input_embeddings().weight.device  # accelerate's hooks move inputs on from there
     sums: dict[str, dict[str, torch.Tensor]] = {}
-    for i in range(0, rows["input_ids"].shape[0], batch_size):
+    n = rows["input_ids"].shape[0]
+    for i in tqdm(range(0, n, batch_size), desc=f"scoring {', '.join(windows)}", unit="batch", leave=False):
         ids, pos, loss = (
             rows[k][i : i + batch_size].to(device) for k in ("input_ids", "position_ids", "loss_mask")
         )
