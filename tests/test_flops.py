@@ -98,3 +98,18 @@ def test_ideal_speedup_and_kv_bytes():
     # decode costs both models about the same, so a 10:1 workload gains less than its prefill alone
     assert 1.0 < ideal_workload_speedup(half, [(2048, 205)]) < ideal_prefill_speedup(half, 2048)
     assert ideal_workload_speedup(half, [(2048, 1)]) == ideal_prefill_speedup(half, 2048)
+
+
+def test_the_exact_kv_window_costs_its_rows_through_the_upper_layers():
+    from dataclasses import replace
+
+    cfg = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, num_key_value_layers=16)  # fmt: skip
+    half = Shape.from_config(cfg)
+    windowed = replace(half, exact_kv_window=32)
+    assert Shape.from_config({**cfg, "exact_kv_window": 32}) == windowed and windowed.original == half.original
+    # W = 1 is the last prompt token, which runs the upper layers anyway (plus its own k/v there)
+    assert ideal_prefill_speedup(replace(half, exact_kv_window=1), 2048) == pytest.approx(
+        ideal_prefill_speedup(half, 2048), rel=1e-4
+    )
+    assert 1.88 < ideal_prefill_speedup(windowed, 2048) < 1.91 < ideal_prefill_speedup(half, 2048)
