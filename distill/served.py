@@ -34,7 +34,12 @@ FIRST_TOKENS = 16
 
 
 def conversation_samples(
-    tokenizer, n: int, seq_len: int, data: str | Path = "sharegpt", min_context: int = 0, required: bool = True
+    tokenizer,
+    n: int,
+    seq_len: int,
+    data: str | Path = "sharegpt",
+    min_context: int = 0,
+    required: bool = True,
 ) -> list[dict]:
     """Rendered samples (``input_ids``, ``counted``) of the first ``n`` held-out conversations of ``data`` with a
     reply that starts after at least ``min_context`` tokens and within ``seq_len`` (none found: a one-line error,
@@ -77,13 +82,13 @@ def per_reply_samples(
     max_reply: int | None = None,
 ) -> list[dict]:
     """One sample per reply (those of ``replies_of`` in each conversation, e.g. ``slice(1)`` for the first): the
-    conversation cut after that reply (at most ``max_reply`` of its tokens), only that reply counted.  Replies
-    that start before ``min_context`` tokens or end past ``seq_len`` are left out."""
+    conversation cut after that reply (at most ``max_reply`` of its tokens, and none past ``seq_len``), only that
+    reply counted.  Replies that start before ``min_context`` tokens or at ``seq_len`` or later are left out."""
     out = []
     for sample in samples:
         for start, end in replies(sample["counted"])[replies_of]:
-            end = min(end, start + max_reply) if max_reply else end
-            if start < max(min_context, 1) or end > seq_len:
+            end = min(end, seq_len, start + max_reply) if max_reply else min(end, seq_len)
+            if start < max(min_context, 1) or start >= seq_len:
                 continue
             counted = [0] * start + [1] * (end - start)
             out.append({"input_ids": sample["input_ids"][:end], "counted": counted})

@@ -55,14 +55,18 @@ class ServedHFLM(HFLM):
                     scored[b, max(length - contlen, 0) : length] = True
                     break
             else:
-                raise RuntimeError(f"lm-eval row {b} matches no request (an lm-eval change in how rows are built)")
+                raise RuntimeError(
+                    f"lm-eval row {b} matches no request (an lm-eval change in how rows are built)"
+                )
         return scored
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         if self._continuations is None:
             return super()._model_call(inps, attn_mask, labels)
         positions = torch.arange(inps.shape[1]).expand(inps.shape[0], -1)
-        exact = exact_kv_positions(self.generated_positions(inps), positions, self.model.config.exact_kv_window)
+        exact = exact_kv_positions(
+            self.generated_positions(inps), positions, self.model.config.exact_kv_window
+        )
         with (
             torch.no_grad(),
             torch.autocast(

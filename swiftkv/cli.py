@@ -33,7 +33,11 @@ def _info(model_dir: Path, lengths: list[int]) -> str:
         f"{model_dir}: {config.get('model_type')}, {L} layers, hidden {s.hidden}, {s.heads}/{s.kv_heads} heads",
         f"layers 0..{l - 1} normal; layers {l}..{L - 1} SwiftKV ({L - l} layers, {(L - l) / L:.0%}), "
         f"group size {s.group_size} -> {s.groups} KV groups; exact K/V "
-        + (f"for generated tokens and the last {s.exact_kv_window} prompt tokens" if s.exact_kv_window else "off"),
+        + (
+            f"for generated tokens and the last {s.exact_kv_window} prompt tokens"
+            if s.exact_kv_window
+            else "off"
+        ),
         f"KV bytes/token (16-bit): original {kv_bytes_per_token(s, swiftkv=False)}, "
         f"SwiftKV {kv_bytes_per_token(s)} ({kv_bytes_per_token(s) / kv_bytes_per_token(s, swiftkv=False):.1%})",
         f"{'prompt':>8} {'orig GFLOP':>11} {'SwiftKV GFLOP':>14} {'ideal speedup':>14}",

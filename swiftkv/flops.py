@@ -107,7 +107,9 @@ def prefill_flops_swiftkv(s: Shape, n: int) -> int:
         rows = min(s.exact_kv_window, n)
         keys = rows * n - rows * (rows - 1) // 2  # the last rows attend over n, n - 1, ... keys
         swift_kv = (n - rows) * kv_flops(s) * s.groups
-        upper = (s.layers - l) * (rows * (projection_flops(s) + kv_flops(s)) + 2 * 2 * s.heads * s.head_dim * keys)
+        upper = (s.layers - l) * (
+            rows * (projection_flops(s) + kv_flops(s)) + 2 * 2 * s.heads * s.head_dim * keys
+        )
     else:
         swift_kv = n * kv_flops(s) * s.groups
         upper = (s.layers - l) * (projection_flops(s) + 2 * 2 * s.heads * s.head_dim * n)

@@ -23,7 +23,12 @@ def test_replies_and_per_reply_samples():
     assert first == {"input_ids": [0, 1, 2, 3], "counted": [0, 0, 1, 1]}
     assert second == {"input_ids": list(range(10)), "counted": [0] * 7 + [1, 1, 1]}
     assert per_reply_samples([sample], 12, slice(1, None)) == [second]
-    assert per_reply_samples([sample], 9) == [first]  # the second reply ends past seq_len
+    # a reply that ends past seq_len is cut there, one that starts there is left out
+    assert per_reply_samples([sample], 9) == [
+        first,
+        {"input_ids": list(range(9)), "counted": [0] * 7 + [1, 1]},
+    ]
+    assert per_reply_samples([sample], 7) == [first]
     assert per_reply_samples([sample], 12, min_context=5, max_reply=2) == [
         {"input_ids": list(range(9)), "counted": [0] * 7 + [1, 1]}
     ]
@@ -51,7 +56,9 @@ def test_as_served_scoring_is_what_cached_generation_computes(window):
     loss[0, prompt - 1 : -1] = 1
     pos = torch.arange(14)[None]
     with torch.no_grad():
-        forced = model(ids, position_ids=pos, use_cache=False, swiftkv_exact_mask=exact_kv_positions(loss, pos, window))
+        forced = model(
+            ids, position_ids=pos, use_cache=False, swiftkv_exact_mask=exact_kv_positions(loss, pos, window)
+        )
         served = [model(ids[:, :prompt], use_cache=True, logits_to_keep=1)]
         for t in range(prompt, 13):
             served.append(model(ids[:, t : t + 1], cache=served[-1].cache, use_cache=True))
@@ -81,7 +88,9 @@ def test_diagnose_exact_kv_writes_the_table(tiny_chat_model, tmp_path, capsys):
 
     converted = tmp_path / "converted"
     convert(tiny_chat_model, converted, swiftkv_fraction=0.5)
-    assert diagnose_main([str(converted), "--exact-kv", "4", "--limit", "3", "--out", str(tmp_path / "d")]) == 0
+    assert (
+        diagnose_main([str(converted), "--exact-kv", "4", "--limit", "3", "--out", str(tmp_path / "d")]) == 0
+    )
     table = json.loads((tmp_path / "d" / "exact_kv.json").read_text())["table"]
     assert set(table) == {"none", "every_reply", "each_reply", "every_reply_window", "served_window"}
     assert table["every_reply"]["reply"]["kl"] < table["none"]["reply"]["kl"]

@@ -93,7 +93,9 @@ def test_sweep_distills_each_candidate_once_and_reports_the_choice(tiny_chat_mod
 
 
 @pytest.mark.smollm2
-def test_sweep_with_exact_kv_trains_the_window_and_counts_it_in_the_speedup(tiny_chat_model, chat_data, tmp_path):
+def test_sweep_with_exact_kv_trains_the_window_and_counts_it_in_the_speedup(
+    tiny_chat_model, chat_data, tmp_path
+):
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_chat_model, chat_data)
     out = tmp_path / "sweep"
     summary = sweep(tiny_chat_model, [0.5], 100, out, recipe, ["model.exact_kv_window=4"], prefill_tokens=64)

@@ -29,10 +29,10 @@ from distill_runs import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import swiftkv.convert
 from distill.objective import DistillationObjective
 from distill.recipe import Recipe, RecipeError, load_recipe
 from distill.train import fingerprint, select_trainable
-import swiftkv.convert
 from swiftkv.convert import to_swiftkv
 
 SCAR = "checkpoint.scar={fraction: 1.0, every_steps: 1, block_bytes: 4096}"
@@ -285,7 +285,9 @@ def test_resume_fingerprint_ignores_how_the_data_is_built(tmp_path):
 
 
 @pytest.mark.smollm2
-def test_exact_kv_window_trains_in_the_served_regime_and_is_saved(tiny_chat_model, chat_data, tmp_path, capsys):
+def test_exact_kv_window_trains_in_the_served_regime_and_is_saved(
+    tiny_chat_model, chat_data, tmp_path, capsys
+):
     """model.exact_kv_window: the run's exported checkpoint carries the window, and its held-out metrics (which
     the trainer computes with the served positions exact) are those of that checkpoint reloaded; AcrossKV
     groups are refused in one line before any work, for a conversion and for a given SwiftKV source."""
@@ -299,5 +301,7 @@ def test_exact_kv_window_trains_in_the_served_regime_and_is_saved(tiny_chat_mode
         load_recipe(recipe, ["model.exact_kv_window=4", "model.swiftkv.group_size=3"])
     grouped = tmp_path / "grouped"
     swiftkv.convert.convert(tiny_chat_model, grouped, num_key_value_layers=3, group_size=3)
-    error = refused(capsys, recipe, f"model.source={grouped}", "model.exact_kv_window=4", f"output_dir={tmp_path}/g")
+    error = refused(
+        capsys, recipe, f"model.source={grouped}", "model.exact_kv_window=4", f"output_dir={tmp_path}/g"
+    )
     assert "has AcrossKV groups of 3" in error

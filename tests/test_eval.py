@@ -188,7 +188,9 @@ def test_report_from_a_fixture_run(tmp_path):
     ):
         assert text in row, text
     served = [line for line in report.splitlines() if line.startswith("| swiftkv50 ")][1]
-    assert served == "| swiftkv50 | 32 | 0.123 | 0.071 | 0.105 | 0.066 | – | ×1.080 | 0.905 |"  # no long prompt
+    assert (
+        served == "| swiftkv50 | 32 | 0.123 | 0.071 | 0.105 | 0.066 | – | ×1.080 | 0.905 |"
+    )  # no long prompt
     assert not any(line.startswith("| original | off") for line in report.splitlines())
     for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
@@ -274,7 +276,9 @@ def test_served_lm_eval_scores_continuations_as_generated_tokens(tiny_chat_model
     path = convert(tiny_chat_model, tmp_path / "exact", swiftkv_fraction=0.5)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "exact_kv_window": 3}))
-    lm = ServedHFLM(pretrained=str(path), dtype="float32", backend="causal", max_length=64, batch_size=2, device="cpu")
+    lm = ServedHFLM(
+        pretrained=str(path), dtype="float32", backend="causal", max_length=64, batch_size=2, device="cpu"
+    )
     torch.manual_seed(0)
     requests = [
         (torch.randint(5, 1000, (n,)).tolist(), torch.randint(5, 1000, (k,)).tolist())

@@ -107,7 +107,9 @@ def test_the_exact_kv_window_costs_its_rows_through_the_upper_layers():
                intermediate_size=14336, vocab_size=128256, num_key_value_layers=16)  # fmt: skip
     half = Shape.from_config(cfg)
     windowed = replace(half, exact_kv_window=32)
-    assert Shape.from_config({**cfg, "exact_kv_window": 32}) == windowed and windowed.original == half.original
+    assert (
+        Shape.from_config({**cfg, "exact_kv_window": 32}) == windowed and windowed.original == half.original
+    )
     # W = 1 is the last prompt token, which runs the upper layers anyway (plus its own k/v there)
     assert ideal_prefill_speedup(replace(half, exact_kv_window=1), 2048) == pytest.approx(
         ideal_prefill_speedup(half, 2048), rel=1e-4

@@ -58,7 +58,9 @@ def test_swiftkv_exact_kv_full_rank_matches_dynamic_cache():
 
     ref = conversation(DynamicCache(config=model.config))
     enable_tale(model)
-    cache = TaleCache(factors, uniform_policy(16, None, sinks=2, window=5, block=3), model.config, model=model)
+    cache = TaleCache(
+        factors, uniform_policy(16, None, sinks=2, window=5, block=3), model.config, model=model
+    )
     torch.testing.assert_close(conversation(cache), ref, atol=2e-5, rtol=1e-4)
 
 

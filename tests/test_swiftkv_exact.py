@@ -38,7 +38,10 @@ def test_config_default_is_off_and_round_trips(tmp_path):
     ("fields", "message"),
     [
         ({"exact_kv_window": -1}, "exact_kv_window=-1 must be an integer >= 0"),
-        ({"exact_kv_window": 4, "key_value_group_size": 2}, "exact_kv_window=4 needs key_value_group_size=1, got 2"),
+        (
+            {"exact_kv_window": 4, "key_value_group_size": 2},
+            "exact_kv_window=4 needs key_value_group_size=1, got 2",
+        ),
     ],
 )
 def test_config_refuses_bad_windows(fields, message):
@@ -67,7 +70,11 @@ def test_teacher_forced_mask_matches_reference(family, impl):
     exact = torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.5
     with torch.no_grad():
         out = model(
-            ids, attention_mask=mask, position_ids=positions_of(mask), use_cache=False, swiftkv_exact_mask=exact
+            ids,
+            attention_mask=mask,
+            position_ids=positions_of(mask),
+            use_cache=False,
+            swiftkv_exact_mask=exact,
         ).logits
         ref = student_logits(model, ids, mask, exact)
         plain = student_logits(model, ids, mask)
@@ -105,7 +112,11 @@ def test_full_forward_without_a_mask_scores_the_input_as_one_prompt():
     with torch.no_grad():
         for cache in (None, make_cache("dynamic", model)):
             out = model(
-                ids, attention_mask=mask, position_ids=positions_of(mask), cache=cache, use_cache=cache is not None
+                ids,
+                attention_mask=mask,
+                position_ids=positions_of(mask),
+                cache=cache,
+                use_cache=cache is not None,
             ).logits
             torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
 
@@ -188,7 +199,12 @@ def test_chunked_prefill_runs_each_chunks_window():
     ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, max_new_tokens=3, do_sample=False, prefill_chunk_size=4, pad_token_id=0, eos_token_id=None
+            input_ids=ids,
+            max_new_tokens=3,
+            do_sample=False,
+            prefill_chunk_size=4,
+            pad_token_id=0,
+            eos_token_id=None,
         )
     seq = out[:, :-1]  # every generated token but the last was fed back
     exact = torch.zeros_like(seq, dtype=torch.bool)
