@@ -42,15 +42,14 @@ def conversation_samples(
     required: bool = True,
 ) -> list[dict]:
     """Rendered samples (``input_ids``, ``counted``) of the first ``n`` held-out conversations of ``data`` with a
-    reply that starts after at least ``min_context`` tokens and within ``seq_len`` (none found: a one-line error,
+    reply that starts at ``min_context`` tokens or later and before ``seq_len`` (none found: a one-line error,
     or ``[]`` when not ``required``)."""
     samples = []
     for messages in iter_conversations(data, split="heldout"):
         if not any(m["role"] == "assistant" for m in messages):
             continue
         sample = render_conversation(messages, tokenizer)
-        counted = sample["counted"][:seq_len]
-        if any(counted[max(min_context, 1) :]):
+        if any(max(min_context, 1) <= start < seq_len for start, _ in replies(sample["counted"])):
             samples.append(sample)
         if len(samples) >= n:
             return samples

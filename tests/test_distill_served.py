@@ -96,3 +96,23 @@ def test_diagnose_exact_kv_writes_the_table(tiny_chat_model, tmp_path, capsys):
     assert table["every_reply"]["reply"]["kl"] < table["none"]["reply"]["kl"]
     assert "as served, W = 4" in capsys.readouterr().out
     assert diagnose_main([str(converted), "--exact-kv", "0"]) == 2
+
+
+def test_long_prompt_samples_need_a_reply_that_starts_after_the_context(tmp_path):
+    """A reply that only spans the min_context mark does not make a conversation prompt-heavy: selection and the
+    per-reply cut agree (the report's prompt-heavy row once found conversations the cut then left empty)."""
+    from tiny_chat import byte_tokenizer
+
+    from distill.served import conversation_samples
+
+    chats = [
+        {"conversations": [{"from": "human", "value": "q" * 20}, {"from": "gpt", "value": "a" * 200}]},  # spans 100
+        {"conversations": [{"from": "human", "value": "q" * 150}, {"from": "gpt", "value": "b" * 30}]},  # starts past
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats) * 60)  # enough rows for the held-out split
+    tokenizer = byte_tokenizer()
+    samples = conversation_samples(tokenizer, 4, 300, data, min_context=100, required=False)
+    assert samples and all(per_reply_samples([s], 300, min_context=100) for s in samples)
+    assert all(len(per_reply_samples([s], 300, min_context=100)) == 1 for s in samples)
+    assert conversation_samples(tokenizer, 4, 300, data, min_context=1000, required=False) == []
