@@ -1,18 +1,40 @@
-"""The SwiftKV vLLM plugin on one GPU: greedy tokens with vLLM's default CUDA graphs equal ``enforce_eager``.
+"""The SwiftKV vLLM plugin on one GPU: a verdict a user can trust before serving a SwiftKV checkpoint.
 
-vLLM replays piecewise CUDA graphs on the memory they were captured with; a model that hands a compiled unit
-other tensors than at capture returns wrong tokens only on GPUs (the CPU build captures no graphs).  This check
-serves tiny random checkpoints in bf16 (the original Llama as the control, SwiftKV 50% and AcrossKV g = 2) with
-the default compilation and CUDA graphs and with ``enforce_eager=True``, on a mixed workload whose every step
-fits a captured size (so steps with prefill run the decode stack under piecewise graphs on gathered rows), and
-compares the tokens; then the same with n-gram speculative decoding and with an FP8 KV cache.  Each engine runs
-in a process of its own.  It also counts the decode stack's calls per CUDA-graph mode, so the table shows that
-graphs were really replayed on gathered rows.
+vLLM replays CUDA graphs on the memory they were captured with, GPUs use vLLM's V2 model runner by default, and
+neither runs on the CPU machines this toolkit is tested on, so this one command decides on a user's GPU what the
+CPU tests cannot.  It serves tiny random checkpoints in bf16 (seeded, built here) and checks, row by row in order
+of value, that the SwiftKV path gives the same per-token log-probabilities of greedy continuations
 
-Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it and
-skips it cleanly where vLLM is not installed.
+* with fast prefill on and vLLM's default compilation and CUDA graphs, as with fast prefill off in eager mode
+  (the same math, every row through every layer; exact K/V need fast prefill, so their twin is eager with it
+  on), and
+* as transformers in fp32 on the same checkpoint (``swiftkv``'s own model, teacher-forced on vLLM's tokens with
+  the same prefill chunking, exact K/V included),
+
+within tolerances set from the original model's own spread (the control row: vLLM's own Llama, graphs against
+eager and against transformers).  Each engine serves one workload: twelve prompts of 8-300 tokens (half
+repetitive, so n-gram drafts match), the same prompts again (prefix-cache hits), and one prompt of 4,000 tokens
+alone (chunked prefill over two steps).  Rows: SwiftKV 50%, AcrossKV g = 2 and exact K/V (W = 8) x plain,
+n-gram speculation and an FP8 KV cache; then preemption (a KV cache too small for the batch), Qwen2 and Qwen3,
+vLLM's V1 model runner forced (``VLLM_USE_V2_MODEL_RUNNER=0``; V2 is the default on GPUs), and the control last.
+Each row reports the decode stack's calls per CUDA-graph mode (``PIECEWISE gathered``: graphs replayed on the
+gathered logits rows), wall times and the largest differences.
+
+The verdict is ``ok`` only when every row ran and passed; a row not run (time budget, a failed engine start
+counts as FAIL) makes it ``incomplete``.  Exit status: 0 ok, 1 FAIL, 3 incomplete, 4 no CUDA GPU (one line,
+nothing run).  A row starts only if its estimate still fits the budget (``--budget-s``, default 2,400 s).  The
+estimates are not measured (no GPU was lent to this project): ``Row.estimate_s`` = 90 s, from about 50 s for a
+compiled engine start of these tiny models (torch.compile of two units, warm after the first engine of a
+checkpoint, and the capture of vLLM's default sizes), 20 s for the eager one and a few seconds each for the
+workload and the transformers reference; 16 rows make 24 minutes, and the default budget leaves two thirds more.
+Every row records its wall times, so the first real run shows how far off the estimates are.
+
+Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it.
+``--cpu`` runs the same rows on vLLM's CPU build (fp32, eager, no graphs: the row logic, not the GPU) and
+``--rows`` picks rows by name.
 
     python scripts/gpu_check_vllm.py --out gpu_check_vllm.json
+    python scripts/gpu_check_vllm.py --cpu --rows swiftkv50,control --out /tmp/check.json   # what a test runs
 """
 
 from __future__ import annotations
@@ -24,6 +46,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,16 +60,78 @@ TINY = dict(
     num_hidden_layers=8,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=2048,
+    max_position_embeddings=8192,
 )  # fmt: skip  (head_dim 64)
-LM_HEAD_STD = 0.2  # peaked next-token distributions, so bf16 ties do not decide greedy tokens
-ENGINE = dict(dtype="bfloat16", seed=0, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=32,
-              gpu_memory_utilization=0.3, compilation_config={"max_cudagraph_capture_size": 512})  # fmt: skip
+LM_HEAD_STD = 0.2  # peaked next-token distributions, so bf16 ties rarely decide greedy tokens
+WINDOW = 8  # the exact K/V rows' window: >= 1 + the n-gram drafts, as the plugin requires
+CHUNK = 2048  # max_num_batched_tokens: the batch prefills in one step, the long prompt in two
+ENGINE = dict(dtype="bfloat16", seed=0, max_model_len=4096 + 64, max_num_batched_tokens=CHUNK, max_num_seqs=32,
+              gpu_memory_utilization=0.3, skip_tokenizer_init=True, enable_prefix_caching=True)  # fmt: skip
+CPU_ENGINE = dict(
+    dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=None
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-VARIANTS = {"plain": {}, "ngram": {"speculative_config": NGRAM}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+FAST_PREFILL_OFF = {"hf_overrides": {"swiftkv_fast_prefill": False}, "enforce_eager": True}
+EAGER = {"enforce_eager": True}
 MAX_TOKENS = 32
+LONG_PROMPT = 4000
+# the smallest tolerances (nats per token): a control that happens to agree exactly does not make any bf16
+# rounding a failure; otherwise TOLERANCE_FACTOR x the control's own spread
+FLOOR = {"engines": 0.02, "reference": 0.05}
+TOLERANCE_FACTOR = 3.0
+STATUS = {"ok": 0, "FAIL": 1, "incomplete": 3, "no GPU": 4}
 
 
+@dataclass(frozen=True)
+class Row:
+    """One check: a checkpoint served with ``engine`` (and ``env``) next to its fast-prefill-off eager twin."""
+
+    name: str
+    model: str  # a key of build_checkpoints
+    engine: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    # compared with transformers fp32 (not with an FP8 KV cache: other numbers by design)
+    reference: bool = True
+    long: bool = True  # the 4,000-token prompt pass (not where the KV cache is made too small for it)
+    twin: dict = field(default_factory=lambda: dict(FAST_PREFILL_OFF))  # the engine the row is compared with
+    estimate_s: float = 90.0  # compiled start + eager start + the workload + the reference (module docstring)
+
+
+def plan() -> list[Row]:
+    """The rows in order of value: what most users serve first, the control (the tolerances) last."""
+    rows = []
+    for variant, engine in (
+        ("", {}),
+        ("-ngram", {"speculative_config": NGRAM}),
+        ("-fp8", {"kv_cache_dtype": "fp8"}),
+    ):
+        for model in ("swiftkv50", "swiftkv50_g2", "swiftkv50_exact"):
+            twin = EAGER if model.endswith("_exact") else FAST_PREFILL_OFF
+            rows.append(Row(model + variant, model, engine, reference=variant != "-fp8", twin=twin))
+    rows += [
+        # 24 blocks of 16 tokens: the batch (twelve prompts of up to 300 tokens and 32 new each) needs more
+        Row(
+            "swiftkv50-preempt",
+            "swiftkv50",
+            {"num_gpu_blocks_override": 24, "block_size": 16, "max_model_len": 384},
+            long=False,
+        ),
+        Row("qwen2-swiftkv50", "qwen2_swiftkv50"),
+        Row("qwen3-swiftkv50_g2", "qwen3_swiftkv50_g2"),
+        Row("swiftkv50-v1", "swiftkv50", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        Row(
+            "swiftkv50-ngram-v1",
+            "swiftkv50",
+            {"speculative_config": NGRAM},
+            {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+        ),
+        Row("swiftkv50_exact-v1", "swiftkv50_exact", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}, twin=EAGER),
+        Row("control", "original"),
+    ]
+    return rows
+
+
+# -- the workload and one engine (in a child process) --------------------------------------------------------------
 def prompts(vocab: int) -> list[list[int]]:
     """Twelve prompts of 8 to 300 tokens, half of them repetitive (n-gram drafts find matches there)."""
     out = []
@@ -55,36 +141,24 @@ def prompts(vocab: int) -> list[list[int]]:
     return out
 
 
-def build_checkpoints(out: Path) -> dict[str, Path]:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import swiftkv.convert
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(LlamaConfig(**TINY, bos_token_id=None, eos_token_id=None))
-    with torch.no_grad():
-        base.lm_head.weight.normal_(0, LM_HEAD_STD)
-    base.to(torch.bfloat16).save_pretrained(out / "original")
-    return {
-        "original": out / "original",
-        "swiftkv50": swiftkv.convert.convert(out / "original", out / "swiftkv50", swiftkv_fraction=0.5),
-        "swiftkv50_g2": swiftkv.convert.convert(
-            out / "original", out / "swiftkv50_g2", swiftkv_fraction=0.5, group_size=2
-        ),
-    }
+def long_prompt(vocab: int) -> list[int]:
+    return [3 + (31 * j + j // 7) % (vocab - 3) for j in range(LONG_PROMPT)]
 
 
-def serve(model: str, engine: dict) -> dict:
-    """One engine in this process: the greedy tokens, and the decode stack's calls per CUDA-graph mode (gathered:
-    fewer rows than the step's tokens)."""
+def serve(model: str, engine: dict, long: bool = True) -> dict:
+    """One engine in this process: per pass (batch, the batch again, the long prompt alone) each request's greedy
+    tokens, their log-probabilities and the runner-up's (top-2), its prefix-cache hits; the decode stack's calls
+    per CUDA-graph mode (installed after start-up, so graph captures are not counted) and vLLM's preemptions."""
     from vllm import LLM, SamplingParams
     from vllm.forward_context import get_forward_context
 
-    llm = LLM(model=model, skip_tokenizer_init=True, **{**ENGINE, **engine})
+    llm = LLM(
+        model=model,
+        **{k: v for k, v in {**ENGINE, "disable_log_stats": False, **engine}.items() if v is not None},
+    )
     modes: dict[str, int] = {}
 
-    def count_modes(module) -> None:  # installed after start-up, so graph captures are not counted
+    def count_modes(module) -> None:
         inner = getattr(module, "model", None)
         if not hasattr(inner, "decode_stack"):  # the original model: vLLM's own Llama
             return
@@ -104,96 +178,319 @@ def serve(model: str, engine: dict) -> dict:
         type(inner.prefill_stack).__call__, type(inner.decode_stack).__call__ = prefill, decode
 
     llm.apply_model(count_modes)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=2
+    )
     vocab = TINY["vocab_size"]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab)], params, use_tqdm=False)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "decode_stack_calls": modes}
+
+    def run(batch: list[list[int]]) -> list[dict]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        out = []
+        for o in outputs:
+            tokens = list(o.outputs[0].token_ids)
+            steps = o.outputs[0].logprobs
+            out.append({
+                "tokens": tokens,
+                "logprobs": [step[t].logprob for step, t in zip(steps, tokens, strict=True)],
+                "top2": [sorted(((k, v.logprob) for k, v in step.items()), key=lambda kv: -kv[1])[:2] for step in steps],
+                "cached": o.num_cached_tokens or 0,
+            })  # fmt: skip
+        return out
+
+    passes = {
+        "batch": run(prompts(vocab)),
+        "again": run(prompts(vocab)),
+        "long": run([long_prompt(vocab)]) if long else [],
+    }
+    preempted = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    return {"passes": passes, "decode_stack_calls": modes, "preemptions": preempted}
 
 
-def run_engine(model: Path, engine: dict, tmp: Path) -> dict:
-    """``serve`` in a child process (vLLM 0.32 cannot start an engine after a speculative one in one process)."""
+def run_engine(model: Path, engine: dict, env: dict, tmp: Path, timeout_s: float, long: bool = True) -> dict:
+    """``serve`` in a child process (vLLM cannot start an engine after a speculative one in one process)."""
     out = tmp / f"engine-{time.monotonic_ns()}.json"
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        __file__,
-        "--engine",
-        json.dumps({"model": str(model), **engine}),
-        "--out",
-        str(out),
-    ]
+    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), **env}
+    spec = json.dumps({"model": str(model), "long": long, **engine})
+    cmd = [sys.executable, __file__, "--engine", spec, "--out", str(out)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {
+            "error": f"the engine did not finish within {timeout_s:.0f} s",
+            "wall_s": time.monotonic() - t0,
+        }
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:], "wall_s": time.monotonic() - t0}
     return {**json.loads(out.read_text()), "wall_s": time.monotonic() - t0}
 
 
-def check(budget_s: float) -> dict:
-    started, rows = time.monotonic(), []
+# -- the checkpoints and the transformers reference ------------------------------------------------------------------
+def build_checkpoints(out: Path, dtype: str) -> dict[str, Path]:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    import swiftkv.convert
+
+    def base(name: str, config) -> Path:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0, LM_HEAD_STD)
+            for n, p in model.named_parameters():  # non-trivial biases and head norms
+                if n.endswith("bias"):
+                    p.normal_(0, 0.02)
+                elif n.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.2)
+        model.to(getattr(torch, dtype)).save_pretrained(out / name)
+        return out / name
+
+    common = dict(TINY, bos_token_id=None, eos_token_id=None)
+    original = base("original", LlamaConfig(**common))
+    convert = swiftkv.convert.convert
+    return {
+        "original": original,
+        "swiftkv50": convert(original, out / "swiftkv50", swiftkv_fraction=0.5),
+        "swiftkv50_g2": convert(original, out / "swiftkv50_g2", swiftkv_fraction=0.5, group_size=2),
+        "swiftkv50_exact": convert(original, out / "swiftkv50_exact", swiftkv_fraction=0.5, exact_kv_window=WINDOW),
+        "qwen2_swiftkv50": convert(base("qwen2", Qwen2Config(**common)), out / "qwen2_swiftkv50", swiftkv_fraction=0.5),
+        "qwen3_swiftkv50_g2": convert(
+            base("qwen3", Qwen3Config(**common, head_dim=64)), out / "qwen3_swiftkv50_g2", swiftkv_fraction=0.5,
+            group_size=2,
+        ),
+    }  # fmt: skip
+
+
+def reference_logprobs(
+    model_dir: Path, requests: list[tuple[list[int], list[int]]], chunk: int
+) -> list[dict]:
+    """For each (prompt, continuation): transformers fp32 log-probabilities of the continuation's tokens (the
+    model's own inference path: the prompt prefilled in chunks of ``chunk`` tokens, then one token per step, so
+    exact K/V land where a server puts them) and the gap to the best token at each step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import swiftkv  # noqa: F401  (registers the SwiftKV classes)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, continuation in requests:
+            ids = torch.tensor([prompt], device=device)
+            step = None
+            for start in range(0, len(prompt), chunk):
+                cache = None if step is None else step.cache
+                step = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+            logprobs, gaps = [], []
+            for token in continuation:
+                dist = step.logits[0, -1].float().log_softmax(-1)
+                logprobs.append(dist[token].item())
+                gaps.append((dist.max() - dist[token]).item())
+                step = model(torch.tensor([[token]], device=device), cache=step.cache, use_cache=True)
+            out.append({"logprobs": logprobs, "gaps": gaps})
+    return out
+
+
+# -- comparisons, tolerances and the verdict (pure: the CPU tests check them) -----------------------------------------
+def engine_diff(a: list[dict], b: list[dict]) -> dict:
+    """Two engines' requests: the largest log-probability difference over each common prefix of greedy tokens,
+    and at each divergence the larger of the two engines' own gaps between their pick and the other's (how far
+    from a tie the divergence is; infinite when the other's pick is not in the engine's top 2)."""
+    diff, tie_gap, diverged = 0.0, 0.0, 0
+    for x, y in zip(a, b, strict=True):
+        for i, (tx, ty) in enumerate(zip(x["tokens"], y["tokens"], strict=True)):
+            if tx != ty:
+                gaps = []
+                for mine, other in ((x, ty), (y, tx)):
+                    top = dict(map(tuple, mine["top2"][i]))
+                    gaps.append(top[mine["tokens"][i]] - top[other] if other in top else float("inf"))
+                tie_gap, diverged = max(tie_gap, *gaps), diverged + 1
+                break
+            diff = max(diff, abs(x["logprobs"][i] - y["logprobs"][i]))
+    return {"max_abs": diff, "divergences": diverged, "tie_gap": tie_gap}
+
+
+def reference_diff(served: list[dict], reference: list[dict]) -> dict:
+    """vLLM's log-probabilities of its own tokens against the reference's of the same tokens (teacher-forced, so
+    every token compares), and the largest gap between vLLM's pick and the reference's best."""
+    diff = max((abs(a - b) for s, r in zip(served, reference, strict=True)
+                for a, b in zip(s["logprobs"], r["logprobs"], strict=True)), default=0.0)  # fmt: skip
+    tie_gap = max((g for r in reference for g in r["gaps"]), default=0.0)
+    return {"max_abs": diff, "tie_gap": tie_gap}
+
+
+def tolerances(control: dict | None) -> dict[str, float] | None:
+    """From the control row's spreads (None without a control: nothing can be judged)."""
+    if control is None or control.get("status") != "ran":
+        return None
+    spread = {"engines": control["engines"]["max_abs"], "reference": control["reference"]["max_abs"]}
+    return {k: max(FLOOR[k], TOLERANCE_FACTOR * v) for k, v in spread.items()}
+
+
+def judge(row: dict, tol: dict[str, float]) -> tuple[str, list[str]]:
+    """``ok`` or ``FAIL`` and why, for a row that ran."""
+    why = []
+    engines = row["engines"]
+    if engines["max_abs"] > tol["engines"] or engines["tie_gap"] > tol["engines"]:
+        why.append(f"against its twin engine: {engines['max_abs']:.4f} (divergence gap {engines['tie_gap']:.4f}) "
+                   f"> {tol['engines']:.4f}")  # fmt: skip
+    ref = row.get("reference")
+    if ref is not None and (ref["max_abs"] > tol["reference"] or ref["tie_gap"] > tol["reference"]):
+        why.append(
+            f"vs transformers fp32: {ref['max_abs']:.4f} (gap {ref['tie_gap']:.4f}) > {tol['reference']:.4f}"
+        )
+    preempt = row["name"].endswith("-preempt")
+    if not row["prefix_hits"] and not preempt:  # a cache too small for the batch may evict every block
+        why.append("the second pass hit no prefix-cache block")
+    if preempt and not row["preemptions"]:
+        why.append("no request was preempted")
+    return ("FAIL" if why else "ok"), why
+
+
+def verdict(rows: list[dict]) -> tuple[str, dict[str, float] | None]:
+    """Judge every row that ran against the control's tolerances; ``incomplete`` if any row (or the control) did
+    not run, ``FAIL`` if any row failed (a failure is reported even when others did not run)."""
+    tol = tolerances(next((r for r in rows if r["name"] == "control"), None))
+    for r in rows:
+        if r["status"] == "ran" and tol is not None:
+            r["status"], r["why"] = judge(r, tol)
+    if any(r["status"] == "FAIL" for r in rows):
+        return "FAIL", tol
+    if tol is None or any(r["status"] != "ok" for r in rows):
+        return "incomplete", tol
+    return "ok", tol
+
+
+def run_rows(
+    rows: list[Row],
+    serve_row: Callable[[Row], dict],
+    budget_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[dict]:
+    """Run rows in order while the budget allows starting the next one (its estimate must fit too); the rest are
+    recorded as not run."""
+    start, out = clock(), []
+    for row in rows:
+        elapsed = clock() - start
+        if elapsed + row.estimate_s > budget_s:
+            out.append({"name": row.name, "status": "not run",
+                        "why": [f"time budget: {elapsed:.0f} s + {row.estimate_s:.0f} s > {budget_s:.0f} s"]})  # fmt: skip
+            continue
+        out.append({"name": row.name, **serve_row(row)})
+    return out
+
+
+def served_row(row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, timeout_s: float) -> dict:
+    """Both engines of a row, the transformers reference, and the raw comparisons (``status`` ``ran`` or FAIL)."""
+    base = {**(CPU_ENGINE if cpu else {}), **row.engine}
+    fast = run_engine(checkpoints[row.model], base, row.env, tmp, timeout_s, row.long)
+    slow = run_engine(checkpoints[row.model], {**base, **row.twin}, row.env, tmp, timeout_s, row.long)
+    result = {
+        "model": row.model,
+        "wall_s": {"fast_prefill": fast["wall_s"], "twin": slow["wall_s"]},
+        "twin": row.twin,
+    }
+    if "error" in fast or "error" in slow:
+        return {
+            **result,
+            "status": "FAIL",
+            "why": [f"an engine failed: {(fast.get('error') or slow['error'])[-600:]}"],
+        }
+    requests = [r for name in ("batch", "again", "long") for r in fast["passes"][name]]
+    engines = engine_diff(requests, [r for name in ("batch", "again", "long") for r in slow["passes"][name]])
+    result.update(status="ran", engines=engines, decode_stack_calls=fast["decode_stack_calls"],
+                  preemptions=fast["preemptions"], prefix_hits=sum(r["cached"] for r in fast["passes"]["again"]))  # fmt: skip
+    if row.reference:
+        vocab = TINY["vocab_size"]
+        inputs = [*prompts(vocab), *prompts(vocab), *([long_prompt(vocab)] if row.long else [])]
+        t0 = time.monotonic()
+        ref = reference_logprobs(
+            checkpoints[row.model], [(p, r["tokens"]) for p, r in zip(inputs, requests, strict=True)], CHUNK
+        )
+        result["reference"] = reference_diff(requests, ref)
+        result["wall_s"]["reference"] = time.monotonic() - t0
+    return result
+
+
+def check(budget_s: float, cpu: bool, names: list[str] | None) -> dict:
+    rows = plan()
+    if names is not None:
+        unknown = sorted(set(names) - {r.name for r in rows})
+        if unknown:
+            raise SystemExit(f"error: unknown rows {', '.join(unknown)} (to resolve, pick from "
+                             f"{', '.join(r.name for r in rows)})")  # fmt: skip
+        rows = [r for r in rows if r.name in names]
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        checkpoints = build_checkpoints(tmp)
-        for variant, engine in VARIANTS.items():
-            for name, path in checkpoints.items():
-                row = {"model": name, "variant": variant}
-                if time.monotonic() - started > budget_s:
-                    rows.append({**row, "status": "skipped (time budget)"})
-                    continue
-                graphs = run_engine(path, engine, tmp)
-                eager = run_engine(path, {**engine, "enforce_eager": True}, tmp)
-                row.update(graphs_s=graphs["wall_s"], eager_s=eager["wall_s"])
-                if "error" in graphs or "error" in eager:
-                    rows.append({**row, "status": "FAIL", "error": graphs.get("error") or eager["error"]})
-                    continue
-                pairs = [
-                    (a, b)
-                    for ga, gb in zip(graphs["tokens"], eager["tokens"], strict=True)
-                    for a, b in zip(ga, gb, strict=True)
-                ]
-                equal = graphs["tokens"] == eager["tokens"]
-                rows.append({**row, "status": "ok" if equal else "FAIL", "tokens_equal": equal,
-                             "token_agreement": sum(a == b for a, b in pairs) / len(pairs),
-                             "decode_stack_calls": graphs["decode_stack_calls"]})  # fmt: skip
-    return {
-        "rows": rows,
-        "ok": all(r["status"] != "FAIL" for r in rows),
-        "elapsed_s": time.monotonic() - started,
-    }
+        checkpoints = build_checkpoints(tmp / "models", "float32" if cpu else "bfloat16")
+        results = run_rows(rows, lambda row: served_row(row, checkpoints, tmp, cpu, timeout_s=900), budget_s)
+    status, tol = verdict(results)
+    if names is not None and status == "ok" and len(rows) < len(plan()):
+        status = "incomplete"  # a chosen subset never says ok
+    return {"verdict": status, "tolerances": tol, "rows": results, "budget_s": budget_s,
+            "elapsed_s": time.monotonic() - started, "device": "cpu (vLLM's CPU build)" if cpu else "cuda"}  # fmt: skip
 
 
 def print_table(report: dict) -> None:
-    print("\n| model | variant | CUDA graphs = eager | token agreement | decode stack calls (graphs) |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| row | status | vs twin engine (max, divergences) | vs transformers fp32 | prefix hits | decode stack calls | s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        agreement = f"{r['token_agreement']:.3f}" if "token_agreement" in r else "-"
+        e, ref = r.get("engines"), r.get("reference")
+        engines = f"{e['max_abs']:.4f}, {e['divergences']}" if e else "-"
+        vs_ref = f"{ref['max_abs']:.4f}" if ref else "-"
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r.get("decode_stack_calls", {}).items())) or "-"
-        print(f"| {r['model']} | {r['variant']} | {r['status']} | {agreement} | {calls} |")
-        if "error" in r:
-            print(f"  error: {r['error'][-300:]}")
+        wall = sum(r.get("wall_s", {}).values())
+        print(
+            f"| {r['name']} | {r['status']} | {engines} | {vs_ref} | {r.get('prefix_hits', '-')} | {calls} | {wall:.0f} |"
+        )
+        for why in r.get("why", []):
+            print(f"  {r['name']}: {why}")
+    tol = report["tolerances"]
+    if tol:
+        print(
+            f"tolerances (from the control): vs twin {tol['engines']:.4f}, vs transformers {tol['reference']:.4f}"
+        )
+    print(f"verdict: {report['verdict']} ({report['elapsed_s']:.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/gpu_check_vllm.json"))
-    parser.add_argument("--budget-s", type=float, default=240.0, help="no engine pair starts after this")
+    parser.add_argument(
+        "--budget-s", type=float, default=2400.0, help="no row starts that would end past this"
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="vLLM's CPU build, fp32 and eager (the row logic only)"
+    )
+    parser.add_argument(
+        "--rows", type=lambda s: s.split(","), help="only these rows (the verdict is then at best incomplete)"
+    )
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine, in a child process
     args = parser.parse_args(argv)
     if args.engine:
         engine = json.loads(args.engine)
-        args.out.write_text(json.dumps(serve(engine.pop("model"), engine)))
+        args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))
         return 0
     try:
+        import torch
         import vllm  # noqa: F401
     except ImportError:
         print("error: vLLM is not installed in this environment (to resolve, run this from the serving "
               "environment, where vLLM and this package are installed)", file=sys.stderr)  # fmt: skip
         return 2
-    report = check(args.budget_s)
+    if not args.cpu and not torch.cuda.is_available():
+        print("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine, or pass "
+              "--cpu for the row logic on vLLM's CPU build)", file=sys.stderr)  # fmt: skip
+        return STATUS["no GPU"]
+    report = check(args.budget_s, args.cpu, args.rows)
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    return 0 if report["ok"] else 1
+    return STATUS[report["verdict"]]
 
 
 if __name__ == "__main__":
