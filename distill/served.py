@@ -168,19 +168,18 @@ def served_sums(
     **cut,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """``regime_sums`` of every reply scored as served (``per_reply_samples``); the ``first_reply`` subset is the
-    first reply of each conversation."""
-    first = regime_sums(
-        model, pack(per_reply_samples(samples, seq_len, slice(1), **cut), seq_len, pad), windows, batch_size
-    )
-    later_samples = per_reply_samples(samples, seq_len, slice(1, None), **cut)
-    if not later_samples:
-        return first
-    later = regime_sums(model, pack(later_samples, seq_len, pad), windows, batch_size)
-    for regime, parts in first.items():
-        for name in parts:
-            if name != "first_reply":
-                parts[name] += later[regime][name]
-    return first
+    first reply of each conversation (empty sums where no reply is left, e.g. prompt-heavy cuts of first replies)."""
+    first, later = (per_reply_samples(samples, seq_len, part, **cut) for part in (slice(1), slice(1, None)))
+    empty = {name: torch.zeros(5, dtype=torch.float64) for name in ("reply", f"first{FIRST_TOKENS}", "first_reply")}
+    sums = {regime: {name: s.clone() for name, s in empty.items()} for regime in windows}
+    for part, is_first in ((first, True), (later, False)):
+        if not part:
+            continue
+        for regime, parts in regime_sums(model, pack(part, seq_len, pad), windows, batch_size).items():
+            for name, total in parts.items():
+                if is_first or name != "first_reply":
+                    sums[regime][name] += total
+    return sums
 
 
 def exact_kv_table(

@@ -176,8 +176,9 @@ def served_metrics(
         long = conversation_samples(tokenizer, n_long, long_len, data, long_context, required=False)
         if long:
             cut = {"min_context": long_context, "max_reply": long_reply}
-            sums = served_sums(model, long, long_len, pad, {"served": window}, 1, **cut)
-            out["long_prompt"] = metrics(sums)["served"]["reply"]
+            long_metrics = metrics(served_sums(model, long, long_len, pad, {"served": window}, 1, **cut))
+            if long_metrics["served"]["reply"]["tokens"]:
+                out["long_prompt"] = long_metrics["served"]["reply"]
     return out
 
 

@@ -116,3 +116,16 @@ def test_long_prompt_samples_need_a_reply_that_starts_after_the_context(tmp_path
     assert samples and all(per_reply_samples([s], 300, min_context=100) for s in samples)
     assert all(len(per_reply_samples([s], 300, min_context=100)) == 1 for s in samples)
     assert conversation_samples(tokenizer, 4, 300, data, min_context=1000, required=False) == []
+
+
+def test_served_sums_keep_later_replies_when_every_first_reply_is_cut_away():
+    """The prompt-heavy cut (replies after min_context) drops first replies: the later ones are still scored."""
+    from distill.served import served_sums
+
+    model = to_swiftkv(tiny_base("llama"), l=2)
+    ids = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    sample = {"input_ids": ids, "counted": [0] * 4 + [1] * 6 + [0] * 12 + [1] * 8}  # replies at 4 and 22
+    sums = served_sums(model, [sample], 32, 0, {"served": None}, min_context=20)["served"]
+    assert sums["reply"][2] == 8 and sums["first_reply"][2] == 0
+    both = served_sums(model, [sample], 32, 0, {"served": None})["served"]
+    assert both["reply"][2] == 14 and both["first_reply"][2] == 6
