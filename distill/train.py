@@ -97,6 +97,7 @@ def converted_source(recipe: Recipe, accelerator: Accelerator, source: Path) -> 
                 num_key_value_layers=opts.num_key_value_layers,
                 swiftkv_fraction=opts.fraction,
                 group_size=opts.group_size,
+                exact_kv_window=recipe.model.exact_kv_window or 0,  # the start of the run, in its regime
                 force=True,
             )
     return converted

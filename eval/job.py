@@ -217,11 +217,13 @@ def run_job(
         variants.append(dict(name=name, dir=result["model"], fraction=fraction, key=key, distill=result))
 
     for v in variants:
+        # before distillation only the all-prompt numbers are reported (the report's "before -> after")
+        settings = {**cfg["quality"], "served": False, "n_prompts": 0} if "before_of" in v else cfg["quality"]
         _, v["quality"] = run_stage(
             run_dir,
             f"quality-{v['name']}",
-            {"model": v["key"], "cfg": cfg["quality"], **placement},
-            lambda v=v: evaluate_quality(v["dir"], **cfg["quality"], **placement),
+            {"model": v["key"], "cfg": settings, **placement},
+            lambda v=v, settings=settings: evaluate_quality(v["dir"], **settings, **placement),
         )
         if v["fraction"]:  # the SwiftKV folders this job wrote (never the user's model) carry the numbers
             set_quality(

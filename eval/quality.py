@@ -8,15 +8,18 @@ KL 0, agreement 1.
 
 Two numbers for the token metrics, so that nobody is fooled by either:
 
-* **all prompt** (the top-level keys): every position treated as a prompt token, SwiftKV K/V in layers >= l
-  everywhere (a full teacher-forced forward with no exact position): the conservative number;
+* **all prompt** (the top-level keys, and ``all_prompt`` by subset): every position treated as a prompt token,
+  SwiftKV K/V in layers >= l everywhere (no exact position): the conservative number;
 * **as served** (``served``): each reply scored in a sample of its own, cut after it, with everything before
   it as prompt, so that exactly the positions a served request runs through every layer (that reply, and with
   ``exact_kv_window = W`` the W prompt tokens before it) take exact K/V (``distill.served``), as vLLM or
   ``generate()`` without a prefix-cache hit compute them.  Subsets: every reply token, the first 16 tokens of
   each reply, the first reply of each conversation, and replies after at least ``long_context`` prompt tokens
   (``long_prompt``: the prompt-heavy requests RAG and summarization serve).  Without exact K/V the two regimes
-  differ only in which replies they cut.
+  are the same.
+
+Both are scored on the same samples (each reply cut after it, everything before it as prompt; causal attention
+makes the all-prompt logits of a cut sample those of the whole conversation), with one teacher pass.
 
 Greedy agreement runs ``generate()``, which serves the checkpoint as it is (exact K/V included).
 
@@ -98,6 +101,7 @@ def _modes(model) -> tuple[str, str] | None:
 
 @torch.no_grad()
 def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> dict[str, float]:
+    """The metrics of a model that is its own teacher (not SwiftKV) on packed rows: its perplexity, KL 0."""
     sums = torch.zeros(5, dtype=torch.float64)
     device = input_device(model)
     n = rows["input_ids"].shape[0]
@@ -105,20 +109,9 @@ def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> 
         ids, pos, mask = (
             rows[k][i : i + batch_size].to(device) for k in ("input_ids", "position_ids", "loss_mask")
         )
-        logits = {}
-        for mode in _modes(model) or ("teacher",):
-            extra = {}
-            if _modes(model):
-                model.set_mode(mode)
-                extra["swiftkv_exact_mask"] = torch.zeros_like(ids, dtype=torch.bool)  # all prompt
-            logits[mode] = model(ids, position_ids=pos, use_cache=False, **extra).logits.float()
-        logits.setdefault("student", logits["teacher"])
-        mask, ids = mask.to(logits["student"].device), ids.to(logits["student"].device)
-        sums += agreement_metrics(
-            logits["student"], logits["teacher"], nn.Identity(), mask, input_ids=ids
-        ).cpu()
-    if _modes(model):
-        model.set_mode("student")
+        logits = model(ids, position_ids=pos, use_cache=False).logits.float()
+        mask, ids = mask.to(logits.device), ids.to(logits.device)
+        sums += agreement_metrics(logits, logits, nn.Identity(), mask, input_ids=ids).cpu()
     return metrics_from_sums(sums)
 
 
@@ -159,26 +152,33 @@ def served_metrics(
     seq_len: int = 512,
     batch_size: int = 4,
     data: str | Path = "sharegpt",
+    served: bool = True,
     long_context: int = 1024,
     n_long: int = 8,
     long_reply: int = 64,
-) -> dict[str, dict[str, float]]:
-    """Token metrics as served (module docstring): ``{"reply" | "first16" | "first_reply" | "long_prompt":
-    metrics}``; ``long_prompt`` covers the first ``long_reply`` tokens of each reply that starts after at least
-    ``long_context`` tokens in the first ``n_long`` such held-out conversations (0, or data without one: left
-    out)."""
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Token metrics of each reply scored in a sample of its own (module docstring), in both regimes with one
+    teacher pass: ``{"all_prompt" | "served": {"reply" | "first16" | "first_reply": metrics}}`` (``served`` False:
+    all prompt only); ``served`` also has ``long_prompt``, the first ``long_reply`` tokens of each reply that starts
+    after at least ``long_context`` tokens in the first ``n_long`` such held-out conversations (0, or data
+    without one: left out).  Without exact K/V the two regimes are one computation."""
     window = model.config.exact_kv_window or None
+    regimes = {"all_prompt": None, **({"served": window} if served and window else {})}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     samples = conversation_samples(tokenizer, n_conversations, seq_len, data)
-    out = metrics(served_sums(model, samples, seq_len, pad, {"served": window}, batch_size))["served"]
+    out = metrics(served_sums(model, samples, seq_len, pad, regimes, batch_size))
+    if not served:
+        return out
+    out.setdefault("served", out["all_prompt"])
     if n_long:
         long_len = long_context + long_reply
         long = conversation_samples(tokenizer, n_long, long_len, data, long_context, required=False)
         if long:
             cut = {"min_context": long_context, "max_reply": long_reply}
-            long_metrics = metrics(served_sums(model, long, long_len, pad, {"served": window}, 1, **cut))
-            if long_metrics["served"]["reply"]["tokens"]:
-                out["long_prompt"] = long_metrics["served"]["reply"]
+            sums = served_sums(model, long, long_len, pad, {"served": window}, 1, **cut)
+            long_metrics = metrics(sums)["served"]["reply"]
+            if long_metrics["tokens"]:
+                out["served"] = {**out["served"], "long_prompt": long_metrics}
     return out
 
 
@@ -192,21 +192,25 @@ def quality_of(
     batch_size: int = 4,
     data: str | Path = "sharegpt",
     n_long: int = 8,
+    served: bool = True,
 ) -> dict:
-    """All quality metrics of a loaded model against its teacher mode (``served``: as served, for a SwiftKV
-    model)."""
-    rows = held_out_rows(tokenizer, n_conversations, seq_len, data)
-    prompts = [p for p, _ in held_out_pairs(n_prompts, max_chars=400, data=data)]
-    out = {
-        **token_metrics(model, rows, batch_size),
-        **generation_agreement(model, tokenizer, prompts, max_new_tokens),
+    """All quality metrics of a loaded model against its teacher mode: for a SwiftKV model the all-prompt reply
+    metrics at the top level, ``all_prompt`` and ``served`` by subset (``served`` False: all prompt only, as for a
+    checkpoint before distillation); ``n_prompts`` 0 leaves greedy agreement out."""
+    prompts = [p for p, _ in held_out_pairs(n_prompts, max_chars=400, data=data)] if n_prompts else []
+    greedy = generation_agreement(model, tokenizer, prompts, max_new_tokens) if prompts else {}
+    if not _modes(model):  # its own teacher: one pass gives the perplexity, the rest is 0 and 1
+        rows = held_out_rows(tokenizer, n_conversations, seq_len, data)
+        return {**token_metrics(model, rows, batch_size), **greedy}
+    by_regime = served_metrics(
+        model, tokenizer, n_conversations, seq_len, batch_size, data, served, n_long=n_long
+    )
+    return {
+        **by_regime["all_prompt"]["reply"],
+        **greedy,
+        "exact_kv_window": model.config.exact_kv_window,
+        **by_regime,
     }
-    if _modes(model):
-        out["exact_kv_window"] = model.config.exact_kv_window
-        out["served"] = served_metrics(
-            model, tokenizer, n_conversations, seq_len, batch_size, data, n_long=n_long
-        )
-    return out
 
 
 def evaluate_quality(
@@ -221,10 +225,20 @@ def evaluate_quality(
     batch_size: int = 4,
     data: str | Path = "sharegpt",
     n_long: int = 8,
+    served: bool = True,
 ) -> dict:
     """All quality metrics of one checkpoint against its teacher, with the device and dtype they ran in."""
     model, tokenizer = load_for_eval(model_dir, device, dtype)
     result = quality_of(
-        model, tokenizer, n_conversations, seq_len, n_prompts, max_new_tokens, batch_size, data, n_long
+        model,
+        tokenizer,
+        n_conversations,
+        seq_len,
+        n_prompts,
+        max_new_tokens,
+        batch_size,
+        data,
+        n_long,
+        served,
     )
     return {**result, "device": device, "dtype": dtype}
