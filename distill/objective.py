@@ -149,6 +149,18 @@ def masked_mse(
     return (per_token * mask).sum() / _denominator(mask, normalize)
 
 
+def last_replies(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The last run of counted positions of each packed sample (``position_ids`` restart at 0 per sample):
+    [batch, seq] bool."""
+    scored = loss_mask.bool()
+    restart = position_ids == 0
+    starts = scored & (~F.pad(scored[:, :-1], (1, 0)) | restart)
+    run, sample = starts.cumsum(-1), restart.cumsum(-1)
+    last = torch.zeros(run.shape[0], run.shape[1] + 1, dtype=run.dtype, device=run.device)
+    last.scatter_reduce_(1, sample, torch.where(scored, run, 0), "amax")
+    return scored & (run == last.gather(1, sample))
+
+
 class DistillationObjective(nn.Module):
     """One module whose forward is the distillation loss of a batch (and metrics in eval mode)."""
 
@@ -186,9 +198,13 @@ class DistillationObjective(nn.Module):
     def exact_mask(self, position_ids, loss_mask) -> torch.Tensor | None:
         """With exact K/V (``exact_kv_window`` W), the positions that take them: the ones the loss counts (the
         reply tokens and the last prompt token before each reply, all run every layer when a reply is generated)
-        and the W - 1 prompt positions before each reply; the student trains in the regime it is served in."""
+        and the W - 1 prompt positions before each reply, for every reply or (``loss.exact_kv_replies: last``)
+        each sample's last; the student trains in the regime it is served in."""
         window = getattr(self.causal_lm.config, "exact_kv_window", 0)
-        return exact_kv_positions(loss_mask, position_ids, window) if window else None
+        if not window:
+            return None
+        generated = last_replies(loss_mask, position_ids) if self.loss_cfg.exact_kv_replies == "last" else loss_mask
+        return exact_kv_positions(generated, position_ids, window)
 
     def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:
         cfg = self.loss_cfg

@@ -141,6 +141,12 @@ class LossSection(_Section):
         "position of the micro-batch, the MSE a mean over every position (prompt and padding too)",
     )
     chunk_tokens: int = Field(1024, ge=1, description="tokens per vocab-projection chunk (bounds memory)")
+    exact_kv_replies: Literal["all", "last"] = Field(
+        "all",
+        description="with model.exact_kv_window: which replies of a packed sample the student generates with "
+        "exact K/V (all: a chat continued in its cache; last: each sample's last reply, after a history of "
+        "SwiftKV K/V, as a request re-sent without a prefix-cache hit); every reply still counts in the loss",
+    )
 
 
 class OptimSection(_Section):

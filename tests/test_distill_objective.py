@@ -116,3 +116,19 @@ def test_exact_kv_student_trains_on_the_served_positions(shared):
             kl.append((teacher.exp() * (teacher - student)).sum(-1)[counted])
     torch.testing.assert_close(got, torch.cat(kl).mean(), atol=1e-5, rtol=1e-4)
     assert (got - plain).abs() > 1e-3
+
+
+def test_last_replies_keep_each_samples_last_reply():
+    from distill.objective import last_replies
+
+    # two packed samples: replies at 2-3 and 6-7 in the first, 10-11 in the second; padding after
+    loss = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0]])
+    assert last_replies(loss, pos).int().tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0]]
+    # a reply that runs into the next sample's first position is two runs
+    loss = torch.tensor([[1, 1, 1, 1]])
+    pos = torch.tensor([[0, 1, 0, 1]])
+    assert last_replies(loss, pos).int().tolist() == [[1, 1, 1, 1]]
+    loss = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0]])
+    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
+    assert last_replies(loss, pos).int().tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
