@@ -9,8 +9,10 @@ docs/serving.md); with fast prefill off, prompt log-probabilities equal the tran
 ``vllm`` backend scores a log-likelihood task; with it on, such a request is refused and the engine serves on.
 Also: FP8 KV-cache scales shared by every layer that reads a group's cache, EAGLE-3 auxiliary states, teacher
 mode, a missing SwiftKV weight refused by name, a registration that cannot break vLLM, the OpenAI server, and
-every vLLM internal the plugin uses resolved in the installed vLLM.  The weight-name routing, the head split and
-the config hook are checked without vLLM.
+every vLLM internal the plugin uses resolved in the installed vLLM.  Exact K/V (``exact_kv_window``; one more
+vLLM process): the transformers tokens compiled and eager, chunked, with prefix hits on blocks holding exact rows,
+Qwen3 and n-gram speculation.  The weight-name routing, the head split, the exact rows and the config hook are
+checked without vLLM.
 
 vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so the
 checkpoints and the reference tokens are made here and all engines run in ONE subprocess there
@@ -43,11 +45,20 @@ from eval.serving.vllm import (
     PROMPT_LOGPROBS_REFUSED,
     SwiftKVConfigHook,
     fast_prefill_reason,
+    fast_prefill_refusal,
     refuse_prompt_logprobs,
 )
 from eval.serving.vllm.cpu import cpu_environment
-from eval.serving.vllm.layout import TO_VLLM, Route, SwiftKVLayout, kv_head_slice, kv_head_split
-from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig
+from eval.serving.vllm.layout import (
+    TO_VLLM,
+    Route,
+    SwiftKVLayout,
+    exact_rows,
+    kv_head_slice,
+    kv_head_split,
+    padded_count,
+)
+from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,14 +96,42 @@ AUX_LAYERS = [1, 3, 5]  # after layers 0 and 2 (x_l: l = 3 of 6) and after layer
 SCORING = {"hf_overrides": {"swiftkv_fast_prefill": False}}  # the per-engine switch
 FP8_SCALES = {"layers.0.self_attn.k_scale": 0.5, "layers.3.self_attn.k_proj_swiftkv.k_scale": 0.25,
               "layers.3.self_attn.k_scale": 0.125, "layers.5.self_attn.v_scale": 0.75}  # fmt: skip
+# Exact K/V (exact_kv_window W): a 40-token prompt alone is prefilled in 32-token steps as 32 + 8 (each chunk's
+# last W rows exact) and generates 30 tokens, so its second block (positions 32-63) fills with exact rows (the
+# chunk window 40-W..39, then the generated 40..63) and is cached; the second prompt, the first plus its
+# continuation (70 tokens), hits both blocks and prefills 64..69 itself
+WINDOW_PROMPT = [(11 * i) % 100 + 3 for i in range(40)]
+WINDOW_TOKENS = 30
+EXACT_MISSING = "layers.4.self_attn.v_proj.weight"  # the teacher V of a SwiftKV layer, needed with exact K/V
+
+
+def chunk_windows(length: int, window: int, start: int = 0, chunk: int = 32) -> set[int]:
+    """The positions a prompt prefilled from ``start`` to ``length`` in ``chunk``-token steps stores exact K/V
+    at: the last ``window`` of each chunk (each chunk's last token needs logits)."""
+    ends = [*range(start + chunk, length, chunk), length]
+    return {
+        p
+        for begin, end in zip([start, *ends[:-1]], ends, strict=True)
+        for p in range(max(begin, end - window), end)
+    }
+
+
+def exact_with_hits(window: int) -> set[int]:
+    """The exact prompt positions of the second window prompt with its two cached blocks: the first request's
+    (its chunk windows and generated tokens) below 64, and the window of its own prefill of 64..69."""
+    first = chunk_windows(len(WINDOW_PROMPT), window) | set(range(len(WINDOW_PROMPT), 64))
+    return {p for p in first if p < 64} | chunk_windows(len(WINDOW_PROMPT) + WINDOW_TOKENS, window, start=64)
 
 
 def step(prompts, max_tokens: int = MAX_TOKENS, **extra) -> dict:
     return {"prompts": prompts, "max_tokens": max_tokens, **extra}
 
 
-def reference(path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """Greedy continuations from our transformers inference path (one prompt at a time, no padding)."""
+def reference(
+    path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, chunk: int | None = None
+) -> list[list[int]]:
+    """Greedy continuations from our transformers inference path (one prompt at a time, no padding; ``chunk``:
+    prefill in chunks of that many tokens, as vLLM does one request alone with ``max_num_batched_tokens=chunk``)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.set_mode(mode)
     model.generation_config.eos_token_id = None  # like vLLM's ignore_eos: EOS may be generated, not banned
@@ -100,10 +139,26 @@ def reference(path: Path, mode: str, prompts=PROMPTS, max_tokens: int = MAX_TOKE
     for prompt in prompts:
         ids = torch.tensor([prompt])
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
-        )
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            prefill_chunk_size=chunk,
+        )  # fmt: skip
         out.append(gen[0, len(prompt) :].tolist())
     return out
+
+
+def exact_greedy(path: Path, prompt: list[int], exact: set[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy continuation from the independent reference student (``tests/swiftkv_reference.py``) with exact K/V
+    at the prompt positions ``exact`` and at every generated one: the by-hand counterpart of a vLLM request whose
+    exact rows came partly from prefix-cache hits."""
+    from swiftkv_reference import student_logits
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            mask = torch.tensor([[i in exact or i >= len(prompt) for i in range(len(ids))]])
+            ids.append(int(student_logits(model, torch.tensor([ids]), None, mask)[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 def token_logprobs(path: Path, prompts) -> list[list[float]]:
@@ -337,7 +392,66 @@ def test_quantized_and_swiftkv_names_are_routed():
     assert {name: layout.route(name) for name in expected} == expected
 
 
-def engine_config(*, swiftkv=True, l=3, spec=None, cudagraph="FULL_AND_PIECEWISE", runner="generate", **hf):
+def test_exact_kv_weights_are_routed_and_required():
+    """With exact K/V every layer >= l takes the teacher's k/v (weights, biases, quantization tensors) into its
+    fused ``exact_kv_proj`` and Qwen3's k_norm into ``exact_k_norm``, their KV-cache scales onto the layer's
+    attention (shared with its holder); the teacher q stays unused; the checkpoint must carry them."""
+    attn = "layers.{}.self_attn."
+    qwen3 = SwiftKVLayout(
+        Qwen3SwiftKVConfig(num_hidden_layers=6, num_key_value_layers=3, swiftkv=True, exact_kv_window=3)
+    )
+    expected = {
+        attn.format(4) + "k_proj.weight": Route(attn.format(4) + "exact_kv_proj.weight", 0),
+        attn.format(4) + "v_proj.weight": Route(attn.format(4) + "exact_kv_proj.weight", 1),
+        attn.format(5) + "v_proj.weight_scale": Route(attn.format(5) + "exact_kv_proj.weight_scale", 1),
+        attn.format(3) + "k_norm.weight": Route(attn.format(3) + "exact_k_norm.weight"),
+        attn.format(5) + "k_proj.k_scale": Route(attn.format(5) + "attn.k_scale"),
+        attn.format(5) + "v_proj.attn.v_scale": Route(attn.format(5) + "attn.v_scale"),
+        attn.format(3) + "k_proj.output_scale": Route(attn.format(3) + "attn.k_scale"),
+        attn.format(4) + "q_proj.weight": None,  # queries stay q_proj_swiftkv
+        attn.format(4) + "q_norm.weight": None,
+        attn.format(2) + "k_proj.weight": TO_VLLM,  # below l: vLLM's own loader, as without exact K/V
+        attn.format(4) + "k_proj_swiftkv.weight": Route("kv_proj_swiftkv.weight", 2),
+    }
+    assert {name: qwen3.route(name) for name in expected} == expected
+    required = qwen3.required_weights()
+    for j in (3, 4, 5):
+        assert {attn.format(j) + n for n in ("k_proj.weight", "v_proj.weight", "k_norm.weight")} <= required
+    assert not any(n.startswith(attn.format(2)) for n in required)
+    qwen2_config = Qwen2SwiftKVConfig(
+        num_hidden_layers=6, num_key_value_layers=3, swiftkv=True, exact_kv_window=1
+    )
+    qwen2_config.qkv_bias = True  # as Qwen2SwiftKVForCausalLM sets it for vLLM's Llama layers
+    qwen2 = SwiftKVLayout(qwen2_config)
+    assert qwen2.route(attn.format(3) + "v_proj.bias") == Route(attn.format(3) + "exact_kv_proj.bias", 1)
+    assert attn.format(3) + "k_proj.bias" in qwen2.required_weights()
+    published = SwiftKVLayout(LlamaSwiftKVConfig(num_hidden_layers=6, num_key_value_layers=3, swiftkv=True))
+    assert published.route(attn.format(4) + "k_proj.weight") is None
+    assert published.route(attn.format(5) + "k_proj.k_scale") is None
+    assert attn.format(4) + "k_proj.weight" not in published.required_weights()
+
+
+def test_exact_rows_are_each_requests_last_window_rows():
+    """A prefill of 7, one of 2, a 70-token chunk and vLLM's empty padding request: the last min(q_len, W) rows
+    of each, in order, which always hold the logits rows (the last row of each request); padding to a captured
+    size only up to the static buffers."""
+    starts = [0, 7, 9, 79, 79]
+    assert exact_rows(starts, 3) == ([4, 5, 6, 7, 8, 76, 77, 78], 3)
+    assert exact_rows(starts, 1) == ([6, 8, 78], 1)
+    assert exact_rows([0, 3, 6], 3) == ([0, 1, 2, 3, 4, 5], 3)  # verifications of 1 + 2 drafts: every row
+    for window in (1, 2, 5, 80):
+        rows, _ = exact_rows(starts, window)
+        assert {end - 1 for end in starts[1:]} <= set(rows) and rows == sorted(set(rows))
+    assert padded_count(5, [1, 2, 4, 8, 16], 512) == 8
+    assert padded_count(17, [1, 2, 4, 8, 16], 512) == 17  # above every captured size: unpadded
+    assert padded_count(5, [8], 6) == 5  # a captured size beyond the buffers is never used
+    assert padded_count(5, [], 512) == 5
+
+
+def engine_config(
+    *, swiftkv=True, l=3, spec=None, drafts=2, adaptive=False, dbo=False, cudagraph="FULL_AND_PIECEWISE",
+    runner="generate", **hf,
+):  # fmt: skip
     """The parts of a VllmConfig the config hook reads: a checkpoint of 6 layers, l of them normal."""
     hf_config = SimpleNamespace(swiftkv=swiftkv, num_key_value_layers=l, num_hidden_layers=6, **hf)
     return SimpleNamespace(
@@ -346,9 +460,15 @@ def engine_config(*, swiftkv=True, l=3, spec=None, cudagraph="FULL_AND_PIECEWISE
         ),
         speculative_config=None
         if spec is None
-        else SimpleNamespace(method=spec, use_eagle=lambda: spec == "eagle3"),
+        else SimpleNamespace(
+            method=spec,
+            use_eagle=lambda: spec == "eagle3",
+            num_speculative_tokens=drafts,
+            enable_adaptive_verification=adaptive,
+        ),  # fmt: skip
         compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=cudagraph)),
         cache_config=SimpleNamespace(kv_sharing_fast_prefill=None),
+        parallel_config=SimpleNamespace(use_ubatching=dbo),
     )
 
 
@@ -389,6 +509,69 @@ def test_config_hook_refuses_bad_switches_and_pooling(monkeypatch):
     monkeypatch.setenv(FAST_PREFILL_ENV, "0")
     SwiftKVConfigHook.verify_and_update_config(pooling := engine_config(runner="pooling"))
     assert pooling.cache_config.kv_sharing_fast_prefill is False  # every row through every layer: allowed
+
+
+@pytest.mark.parametrize(
+    "config, refused",
+    [
+        (engine_config(exact_kv_window=3), None),
+        (engine_config(exact_kv_window=3, spec="ngram", drafts=2), None),  # W = 1 + drafts
+        (engine_config(exact_kv_window=1, spec="ngram", drafts=4), None),  # W = 1: the logits rows
+        (engine_config(exact_kv_window=2, spec="ngram", drafts=2), "shorter than a speculative verification"),
+        (engine_config(exact_kv_window=3, spec="eagle3"), "needs SwiftKV fast prefill, which is off here"),
+        (engine_config(exact_kv_window=3, cudagraph="FULL"), "needs SwiftKV fast prefill"),
+        (engine_config(exact_kv_window=3, swiftkv_fast_prefill=False), "needs SwiftKV fast prefill"),
+        (engine_config(exact_kv_window=3, spec="ngram", adaptive=True), "adaptive verification"),
+        (engine_config(exact_kv_window=1, dbo=True), "micro-batching"),
+        (engine_config(exact_kv_window=3, swiftkv=False, swiftkv_fast_prefill=False), None),  # teacher mode
+    ],
+)
+def test_config_hook_refuses_what_exact_kv_cannot_serve(monkeypatch, config, refused):
+    """Exact K/V need the rows fast prefill runs: with it off (EAGLE, FULL graphs, the switch) the engine is
+    refused in one line, and so are a window shorter than a verification, adaptive verification and
+    micro-batching; teacher mode ignores the window."""
+    monkeypatch.delenv(FAST_PREFILL_ENV, raising=False)
+    if refused is None:
+        SwiftKVConfigHook.verify_and_update_config(config)
+        return
+    with pytest.raises(ValueError, match=rf"exact_kv_window=\d .*{refused}.*\(to resolve, "):
+        SwiftKVConfigHook.verify_and_update_config(config)
+
+
+@pytest.mark.parametrize(
+    ("mode", "compile_mode", "backend", "dcp", "refused"),
+    [
+        ("FULL_AND_PIECEWISE", "VLLM_COMPILE", "FLASH_ATTN", 1, None),
+        ("PIECEWISE", "VLLM_COMPILE", "TRITON_ATTN", 1, None),
+        # what vLLM's _normalize_piecewise_cudagraph_mode makes of the default after the hook has run
+        ("FULL", "NONE", "FLASH_ATTN", 1, "cudagraph_mode resolved to FULL after the SwiftKV config hook"),
+        (
+            "FULL_AND_PIECEWISE",
+            "VLLM_COMPILE",
+            "FLASHINFER",
+            1,
+            "the FLASHINFER attention backend plans on host",
+        ),
+        ("FULL_AND_PIECEWISE", "VLLM_COMPILE", "FLASH_ATTN", 2, "decode context parallel reads host copies"),
+    ],
+)
+def test_fast_prefill_is_refused_where_vllm_resolved_it_unsafe_after_the_hook(
+    mode, compile_mode, backend, dcp, refused
+):
+    """The config hook decides fast prefill before vLLM resolves the CUDA-graph mode: a default that becomes FULL
+    later is caught when the model is built, as are backends that read the fast-prefill offsets on the host."""
+    config = engine_config()
+    SwiftKVConfigHook.verify_and_update_config(config)
+    assert config.cache_config.kv_sharing_fast_prefill is True
+    config.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode), mode=compile_mode)
+    config.parallel_config.decode_context_parallel_size = dcp
+    reason = fast_prefill_refusal(config, backend)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason.startswith(refused) and "(to resolve, " in reason and f"{FAST_PREFILL_ENV}=0" in reason
+    config.cache_config.kv_sharing_fast_prefill = False  # fast prefill off: nothing to refuse
+    assert fast_prefill_refusal(config, backend) is None
 
 
 def test_prompt_logprobs_are_refused_only_with_fast_prefill():
@@ -538,6 +721,125 @@ def test_smollm2_student_and_teacher(runs):
     assert results["smol_student"]["steps"][1]["cached"][-1] > 0
 
 
+# -- exact K/V: one more vLLM process (its speculative engine must come last too) ---------------------------
+
+
+def needs_vllm_engines(test):
+    return pytest.mark.slow(pytest.mark.vllm(test))
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory, vllm_python):
+    """The tiny g = 1 checkpoint with exact_kv_window 3 (compiled) and 1 (eager) over a short batch, a chunked
+    prompt and a prompt that hits blocks holding its exact rows; a Qwen3 with W = 3; W = 3 under n-gram
+    speculation; and what is refused."""
+    tmp = tmp_path_factory.mktemp("vllm-exact")
+    tiny_base("llama", **TINY).save_pretrained(tmp / "base")
+    g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
+    paths = {w: edit_checkpoint(g1, tmp / f"w{w}", config={"exact_kv_window": w}) for w in (3, 1)}
+    qwen3 = swiftkv.convert.convert(
+        tiny_qwen3(tmp / "qwen3-base"), tmp / "qwen3", swiftkv_fraction=0.5, exact_kv_window=3
+    )
+    missing = edit_checkpoint(paths[3], tmp / "w3-missing", drop=EXACT_MISSING)
+    refs = {"w0": reference(g1, "student", PROMPTS[:2]), "qwen3": reference(qwen3, "student")}
+    refs["spec"] = reference(paths[3], "student", SPEC_PROMPTS, 12)
+    seconds = {}
+    for w, path in paths.items():
+        first = reference(path, "student", [WINDOW_PROMPT], WINDOW_TOKENS, chunk=32)[0]
+        seconds[w] = second = WINDOW_PROMPT + first
+        refs[w] = [
+            reference(path, "student", PROMPTS[:2]),
+            [first],
+            [exact_greedy(path, second, exact_with_hits(w))],
+        ]
+        refs[f"{w}_miss"] = exact_greedy(path, second, chunk_windows(len(second), w))
+        refs[f"{w}_by_hand"] = exact_greedy(path, WINDOW_PROMPT, chunk_windows(len(WINDOW_PROMPT), w))
+
+    def window_steps(w: int) -> list[dict]:
+        return [step(PROMPTS[:2]), step([WINDOW_PROMPT], WINDOW_TOKENS), step([seconds[w]])]
+
+    cases = {
+        "w3": dict(
+            model=str(paths[3]), engine={**CACHED, "enforce_eager": False}, record=True, steps=window_steps(3)
+        ),
+        "w1": dict(model=str(paths[1]), engine=CACHED, record=True, steps=window_steps(1)),
+        "qwen3": dict(model=str(qwen3), steps=[step(PROMPTS)]),
+        "missing": dict(model=str(missing), steps=[]),
+        "scoring": dict(model=str(paths[3]), engine=SCORING, steps=[]),
+        # last: an engine started after a speculative one in the same process fails in vLLM 0.32
+        "spec": dict(
+            model=str(paths[3]),
+            engine={"speculative_config": NGRAM},
+            record=True,
+            steps=[step(SPEC_PROMPTS, 12)],
+        ),  # fmt: skip
+    }
+    results = dict(zip(cases, run_cases(list(cases.values()), tmp), strict=True))
+    return results, refs
+
+
+@needs_vllm_engines
+def test_exact_kv_tokens_equal_transformers(exact_runs):
+    """W = 3 compiled and W = 1 eager: a batch of two prompts, a prompt chunked 32 + 8 (each chunk's window
+    exact, as generate(prefill_chunk_size=32)), and the transformers path's tokens; exact K/V change them."""
+    results, refs = exact_runs
+    for w in (3, 1):
+        assert tokens(results[f"w{w}"])[:2] == refs[w][:2]
+        # the by-hand reference agrees with generate()
+        assert refs[f"{w}_by_hand"] == refs[w][1][0][:MAX_TOKENS]
+    assert results["w3"]["compiled"] == ["SwiftKVDecodeStack", "SwiftKVPrefillStack"]
+    assert refs[3][0] != refs["w0"] and refs[1][0] != refs["w0"]  # the option changes the continuations
+
+
+@needs_vllm_engines
+def test_exact_kv_prefix_hits_keep_the_exact_rows(exact_runs):
+    """The second prompt hits the two blocks the first request filled (its chunk window, then generated tokens,
+    all exact): its tokens are those of the reference with exact K/V at those positions and at its own window,
+    not those of a prompt prefilled from scratch (SwiftKV K/V but for each chunk's window; with W = 1 this tiny
+    model's tokens happen to be the same both ways)."""
+    results, refs = exact_runs
+    for w in (3, 1):
+        third = results[f"w{w}"]["steps"][2]
+        assert third["cached"] == [64]
+        assert third["tokens"] == refs[w][2]
+    assert refs[3][2] != [refs["3_miss"]]
+
+
+@needs_vllm_engines
+def test_exact_window_runs_more_rows_than_the_logits_rows(exact_runs):
+    """W = 3: the first forward (prompts of 7 and 2 tokens) runs 3 + 2 rows through layers >= l, not the 2
+    logits rows; W = 1 runs the logits rows.  The decode stack reads the static buffers in every step."""
+    results, _ = exact_runs
+    first = {w: results[f"w{w}"]["calls"][0] for w in (3, 1)}
+    assert first[3]["tokens"][0] == first[1]["tokens"][0] == 9
+    assert first[3]["decode"][0]["rows"][0] == 5 and first[1]["decode"][0]["rows"][0] == 2
+    chunked = [call["rows"][0] for call in first[3]["decode"]]
+    assert 3 in chunked  # a chunk of the 40-token prompt alone: its last 3 rows
+    for case in ("w3", "w1", "spec"):
+        assert_static_decode_inputs(results[case]["calls"][0])
+
+
+@needs_vllm_engines
+def test_exact_kv_qwen3_and_ngram_speculation(exact_runs):
+    """Qwen3 (the teacher's k_norm on exact keys) and W = 3 >= 1 + 2 drafts under n-gram speculation (the
+    verified drafts store exact K/V; the prompts' windows too): the transformers path's tokens."""
+    results, refs = exact_runs
+    assert tokens(results["qwen3"]) == [refs["qwen3"]]
+    assert tokens(results["spec"]) == [refs["spec"]]
+    rows = [call["rows"][0] for call in results["spec"]["calls"][0]["decode"]]
+    assert rows[0] == 3 * len(SPEC_PROMPTS)  # the prefill: each prompt's window
+    assert max(rows[1:]) > len(SPEC_PROMPTS)  # draft tokens were verified
+
+
+@needs_vllm_engines
+def test_exact_kv_refusals_name_the_problem(exact_runs):
+    """A checkpoint without a teacher V of a layer >= l is refused by name; fast prefill off is refused before
+    the engine starts."""
+    results, _ = exact_runs
+    assert "model." + EXACT_MISSING in results["missing"]["error"]
+    assert "exact_kv_window=3 needs SwiftKV fast prefill, which is off here" in results["scoring"]["error"]
+
+
 # -- processes of their own ----------------------------------------------------------------------------------
 
 
@@ -547,6 +849,42 @@ def run_in_vllm_venv(script: str, tmp: Path, env: dict | None = None) -> subproc
         [str(VLLM_PYTHON), "-c", textwrap.dedent(script)], cwd=ROOT, env=full_env, capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_decode_stack_keeps_graphs_for_the_sizes_vllm_captures_under_speculation(vllm_python, tmp_path):
+    """vLLM's V1 runner rewrites the CUDA-graph capture sizes to multiples of 1 + num_speculative_tokens after the
+    model is built (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``, vLLM's own code here): the decode
+    stack of a step with 9 gathered rows (2 drafts) must still replay piecewise graphs, and one of a size vLLM no
+    longer captures (8) must not."""
+    proc = run_in_vllm_venv(
+        """
+        import json
+        from types import SimpleNamespace
+        from vllm.config import CompilationConfig
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor, ForwardContext, get_forward_context, override_forward_context
+        from eval.serving.vllm.llama import LlamaSwiftKVModel
+
+        config = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32], max_cudagraph_capture_size=32)
+        model = SimpleNamespace(compilation_config=config)  # what the model keeps of its vllm_config
+        config.adjust_cudagraph_sizes_for_spec_decode(3)  # after the model is built, as the V1 runner does
+        modes = {}
+        for size in (9, 8):
+            context = ForwardContext({}, {}, {}, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+                                     batch_descriptor=BatchDescriptor(num_tokens=40))
+            with override_forward_context(context), LlamaSwiftKVModel._graph_batch(model, size):
+                modes[size] = [get_forward_context().cudagraph_runtime_mode.name,
+                               get_forward_context().batch_descriptor.num_tokens]
+        print(json.dumps({"sizes": config.cudagraph_capture_sizes, "modes": modes}))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sizes"] == [3, 6, 9, 18, 24]
+    assert result["modes"] == {"9": ["PIECEWISE", 9], "8": ["NONE", 8]}
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ through layers >= l.
 
 Fast prefill is on by default and can be turned off per environment (``SWIFTKV_FAST_PREFILL=0``) or per engine
 (``hf_overrides={"swiftkv_fast_prefill": false}``): every row then runs the upper layers (the SwiftKV math is
-unchanged, the prefill saving is gone), which is what prompt log-probabilities and scoring need.
+unchanged, the prefill saving is gone), which is what prompt log-probabilities and scoring need.  A checkpoint
+with exact K/V (``exact_kv_window >= 1``) needs fast prefill on: its exact rows are the rows fast prefill runs
+through layers >= l, so the config hook refuses an engine without it (``exact_kv_refusal``).
 
 Importing this package imports neither vLLM nor torch.
 """
@@ -81,10 +83,86 @@ def fast_prefill_reason(vllm_config) -> str | None:
     return None
 
 
+def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
+    """Why an engine whose config hook turned fast prefill on cannot serve with it, from what vLLM resolved after
+    the hook (checked when the model is built), or None.
+
+    * ``cudagraph_mode`` FULL: the hook refuses it (``fast_prefill_reason``), but vLLM resolves the mode later: a
+      ``FULL_AND_PIECEWISE`` default under a compilation mode other than VLLM_COMPILE becomes FULL
+      (``VllmConfig._normalize_piecewise_cudagraph_mode``, after ``try_verify_and_update_config``), and a FULL
+      graph would replay a mixed step's data-dependent row gather as captured.
+    * FlashInfer, and decode context parallel with any backend: their metadata builders read
+      ``query_start_loc_cpu`` on the host, which vLLM's fast-prefill metadata fills by a non-blocking
+      device-to-host copy (``make_kv_sharing_fast_prefill_common_attn_metadata``), so they may plan with values not
+      yet copied (vLLM's own gemma3n shares this exposure)."""
+    if not vllm_config.cache_config.kv_sharing_fast_prefill:
+        return None
+    fix = f"{FAST_PREFILL_ENV}=0 (every row through every layer)"
+    mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", None)
+    if mode == "FULL":
+        return (
+            "cudagraph_mode resolved to FULL after the SwiftKV config hook (compilation mode "
+            f"{vllm_config.compilation_config.mode!r}), which replays mixed steps whole (to resolve, serve with "
+            f"-cc.mode=VLLM_COMPILE, or -cc.cudagraph_mode=PIECEWISE, or {fix})"
+        )
+    if backend.upper().startswith("FLASHINFER"):
+        return (
+            f"the {backend} attention backend plans on host copies of the offsets that SwiftKV's fast prefill "
+            f"fills asynchronously (to resolve, pick --attention-backend FLASH_ATTN, or serve with {fix})"
+        )
+    if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) > 1:
+        return (
+            "decode context parallel reads host copies of the offsets that SwiftKV's fast prefill fills "
+            f"asynchronously (to resolve, serve with --decode-context-parallel-size 1, or with {fix})"
+        )
+    return None
+
+
+def exact_kv_refusal(vllm_config, fast_prefill_off: str | None) -> str | None:
+    """Why this engine cannot serve the checkpoint's exact K/V (``exact_kv_window = W >= 1``), or None.
+
+    The rows that store exact K/V are the rows vLLM's fast prefill runs through layers >= l (W = 1: the logits
+    rows; W > 1: each request's last W rows, which the model has vLLM build the upper layers' metadata for), so:
+    fast prefill must be on (``fast_prefill_off`` is its reason otherwise: with every row through every layer the
+    rows that count as generated are unknown to the model); W > 1 must cover a verification's rows
+    (``W >= 1 + num_speculative_tokens``), which are all logits rows; and the per-request rows come from the
+    step's request boundaries, which adaptive verification moves on the device and micro-batching splits."""
+    hf_config = vllm_config.model_config.hf_config
+    window = getattr(hf_config, "exact_kv_window", 0) or 0
+    if not window or not skips_layers(hf_config):
+        return None
+    name = f"exact_kv_window={window}"
+    if fast_prefill_off is not None:
+        return (
+            f"{name} needs SwiftKV fast prefill, which is off here: {fast_prefill_off} (to resolve, serve with fast "
+            "prefill on, or score with the transformers path, or set exact_kv_window to 0 in config.json)"
+        )
+    spec = vllm_config.speculative_config
+    drafts = getattr(spec, "num_speculative_tokens", None) or 0
+    if 1 < window < 1 + drafts:
+        return (
+            f"{name} is shorter than a speculative verification (1 + num_speculative_tokens={drafts} rows) (to "
+            f"resolve, use exact_kv_window 1 or >= {1 + drafts}, or at most {window - 1} speculative tokens)"
+        )
+    if window > 1 and getattr(spec, "enable_adaptive_verification", False):
+        return (
+            f"{name} cannot follow adaptive verification, which trims the verified drafts on the device (to "
+            "resolve, set enable_adaptive_verification false in the speculative config)"
+        )
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "use_ubatching", False):
+        return (
+            f"{name} does not support micro-batching, which builds each micro-batch's attention metadata apart "
+            "(to resolve, serve without --enable-dbo and with ubatch_size 1)"
+        )
+    return None
+
+
 class SwiftKVConfigHook:
     """vLLM per-architecture config hook (``MODELS_CONFIG_MAP``): decides ``kv_sharing_fast_prefill`` for SwiftKV
-    checkpoints (vLLM then builds the upper layers' attention metadata for the logits rows only) and refuses a
-    pooling runner, which would read the rows that skipped the upper layers."""
+    checkpoints (vLLM then builds the upper layers' attention metadata for the logits rows only), refuses a
+    pooling runner, which would read the rows that skipped the upper layers, and an engine that cannot serve the
+    checkpoint's exact K/V (``exact_kv_refusal``)."""
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:
@@ -93,6 +171,9 @@ class SwiftKVConfigHook:
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         reason = fast_prefill_reason(vllm_config)
+        refusal = exact_kv_refusal(vllm_config, reason)
+        if refusal is not None:
+            raise ValueError(refusal)
         runner = getattr(vllm_config.model_config, "runner_type", "generate")
         if reason is None and runner == "pooling":
             raise ValueError(

@@ -24,6 +24,7 @@ from vllm.distributed.parallel_state import (
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.attention import (
     Attention,
+    unified_attention_with_output,
     unified_kv_cache_update,
 )
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -41,6 +42,7 @@ from vllm.model_executor.models.llama import (
 )
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.attention.backends import utils as fast_prefill_utils
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
 encode_layer_name = _encode_layer_name  # public name inside the plugin
@@ -51,16 +53,32 @@ USED: dict[str, tuple[str, ...]] = {
     "vllm.compilation.backends:set_model_tag": ("tag",),
     "vllm.compilation.decorators:support_torch_compile": ("dynamic_arg_dims",),
     "vllm.compilation.decorators:ignore_torch_compile": ("cls",),
-    "vllm.config.compilation:CUDAGraphMode": ("NONE", "PIECEWISE", "FULL"),
-    "vllm.config.compilation:CompilationConfig": ("cudagraph_mode", "cudagraph_capture_sizes"),
+    "vllm.config.compilation:CUDAGraphMode": ("NONE", "PIECEWISE", "FULL", "has_piecewise_cudagraphs"),
+    "vllm.config.compilation:CompilationConfig": (
+        "cudagraph_mode",
+        "cudagraph_capture_sizes",
+        "mode",
+        "adjust_cudagraph_sizes_for_spec_decode",  # why the capture sizes are read when used (layout.captured_sizes)
+    ),
     "vllm.config.cache:CacheConfig": ("kv_sharing_fast_prefill",),
     "vllm.config.model:ModelConfig": ("hf_config", "runner_type", "architectures"),
-    "vllm.config.speculative:SpeculativeConfig": ("use_eagle",),
+    "vllm.config.speculative:SpeculativeConfig": (
+        "use_eagle",
+        "num_speculative_tokens",
+        "enable_adaptive_verification",
+    ),
+    "vllm.config.parallel:ParallelConfig": ("use_ubatching", "decode_context_parallel_size"),
     "vllm.config.scheduler:SchedulerConfig": ("max_num_batched_tokens",),
     "vllm.distributed.parallel_state:get_pp_group": (),
     "vllm.distributed.parallel_state:get_tensor_model_parallel_world_size": (),
     "vllm.forward_context:get_forward_context": (),
-    "vllm.forward_context:ForwardContext": ("attn_metadata", "batch_descriptor", "cudagraph_runtime_mode"),
+    "vllm.forward_context:ForwardContext": (
+        "attn_metadata",
+        "batch_descriptor",
+        "cudagraph_runtime_mode",
+        "no_compile_layers",
+        "slot_mapping",
+    ),
     "vllm.forward_context:BatchDescriptor": ("num_tokens",),
     "vllm.model_executor.layers.attention.attention:Attention": (
         "num_heads",
@@ -75,8 +93,50 @@ USED: dict[str, tuple[str, ...]] = {
         "layer_name",
         "use_direct_call",
         "attn_backend",
+        "impl",
+        "kv_cache",
+        "query_quant",
     ),  # fmt: skip
     "vllm.model_executor.layers.attention.attention:unified_kv_cache_update": ("key", "value", "layer_name"),
+    "vllm.model_executor.layers.attention.attention:unified_attention_with_output": (
+        "query",
+        "key",
+        "value",
+        "output",
+        "layer_name",
+        "kv_cache_dummy_dep",
+    ),
+    # the exact K/V write calls the holder's backend as unified_kv_cache_update does (the GPU default and the CPU one)
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.do_kv_cache_update": (
+        "layer",
+        "key",
+        "value",
+        "kv_cache",
+        "slot_mapping",
+    ),
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.do_kv_cache_update": (
+        "layer",
+        "key",
+        "value",
+        "kv_cache",
+        "slot_mapping",
+    ),
+    # the fast-prefill builder (create_fast_prefill_custom_backend) calls this through the module: the prompt
+    # window wraps it there and rewrites these fields of the metadata it gets
+    "vllm.v1.attention.backends.utils:make_kv_sharing_fast_prefill_common_attn_metadata": (
+        "common_attn_metadata",
+    ),
+    "vllm.v1.attention.backends.utils:create_fast_prefill_custom_backend": (
+        "prefix",
+        "underlying_attn_backend",
+    ),
+    "vllm.v1.attention.backend:CommonAttentionMetadata": (
+        "query_start_loc_cpu",
+        "max_query_len",
+        "logits_indices_padded",
+        "num_logits_indices",
+        "max_logits_per_req",
+    ),
     "vllm.utils.torch_utils:_encode_layer_name": ("layer_name",),
     "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
     "vllm.v1.attention.backends.utils:KVSharingFastPrefillMetadata": (
@@ -144,6 +204,6 @@ __all__ = [
     "Attention", "CUDAGraphMode", "ColumnParallelLinear", "KVSharingFastPrefillMetadata", "LlamaAttention",
     "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "MergedColumnParallelLinear", "Qwen3DecoderLayer",
     "RMSNorm", "RowParallelLinear", "USED", "default_weight_loader", "encode_layer_name", "get_forward_context",
-    "get_pp_group", "get_tensor_model_parallel_world_size", "ignore_torch_compile", "set_model_tag",
-    "support_torch_compile", "unified_kv_cache_update",
+    "fast_prefill_utils", "get_pp_group", "get_tensor_model_parallel_world_size", "ignore_torch_compile",
+    "set_model_tag", "support_torch_compile", "unified_attention_with_output", "unified_kv_cache_update",
 ]  # fmt: skip

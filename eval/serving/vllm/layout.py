@@ -1,12 +1,14 @@
-"""Where a SwiftKV checkpoint's layers and tensors go in the vLLM model, and how K/V heads split over ranks.
+"""Where a SwiftKV checkpoint's layers and tensors go in the vLLM model, how K/V heads split over ranks, and which
+rows of a step store exact K/V.
 
-Pure Python (no vLLM, no torch), so the name routing and the tensor-parallel head split are checked without
-starting an engine; ``eval.serving.vllm.llama`` builds and loads the model from them.
+Pure Python (no vLLM, no torch), so the name routing, the tensor-parallel head split and the exact-K/V rows are
+checked without starting an engine; ``eval.serving.vllm.llama`` builds and loads the model from them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # any tensor of a SwiftKV projection (weight, bias, and quantization tensors such as weight_scale, input_scale)
@@ -19,6 +21,10 @@ _TEACHER_QKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_norm)\.\
 # cache, a query scale to the layer's own attention
 _SWIFTKV_OUTPUT_SCALE = re.compile(
     r"^layers\.(\d+)\.self_attn\.([qkv])_proj_swiftkv\.(?:attn\.)?(?:[qkv]_scale|output_scale)$"
+)
+# the same scales on the teacher's K/V projections, which compute the exact K/V of layers >= l
+_TEACHER_KV_OUTPUT_SCALE = re.compile(
+    r"^layers\.(\d+)\.self_attn\.([kv])_proj\.(?:attn\.)?(?:[kv]_scale|output_scale)$"
 )
 
 
@@ -69,6 +75,8 @@ class SwiftKVLayout:
         self.leaders = list(range(self.first, self.num_layers, self.group_size))
         self.bias = bool(getattr(config, "qkv_bias", getattr(config, "attention_bias", False)))
         self.qk_norm = config.model_type == "qwen3_swiftkv"
+        # exact K/V (W >= 1): every layer >= l also keeps the teacher's k/v projections (and Qwen3's k_norm)
+        self.window = (getattr(config, "exact_kv_window", 0) or 0) if self.leaders else 0
 
     def leader_of(self, layer: int) -> int:
         return self.first + (layer - self.first) // self.group_size * self.group_size
@@ -85,12 +93,17 @@ class SwiftKVLayout:
             if self.qk_norm:
                 norms = ("q", "k") if j in self.leaders else ("q",)
                 names |= {f"layers.{j}.self_attn.{p}_norm_swiftkv.weight" for p in norms}
+            if self.window:
+                names |= {f"layers.{j}.self_attn.{p}_proj.{k}" for p in ("k", "v") for k in kinds}
+                names |= {f"layers.{j}.self_attn.k_norm.weight"} if self.qk_norm else set()
         return names
 
     def route(self, name: str) -> Route | None:
         """Where checkpoint tensor ``name`` (relative to ``model.``) goes: a SwiftKV parameter, ``TO_VLLM``, or
         None for a tensor this mode never uses (the SwiftKV tensors in teacher mode; the teacher q/k/v of layers
-        >= l and the K/V of AcrossKV non-leaders in SwiftKV mode)."""
+        >= l and the K/V of AcrossKV non-leaders in SwiftKV mode).  With exact K/V the teacher k/v of every layer
+        >= l go into its fused ``exact_kv_proj`` (shards k, v), Qwen3's k_norm into ``exact_k_norm``, and their
+        KV-cache scales onto the layer's attention, so the group's shared scale covers exact K/V too."""
         swift = _SWIFTKV.match(name)
         if not self.leaders:
             return None if swift is not None or name.startswith("norm_swiftkv.") else TO_VLLM
@@ -115,7 +128,47 @@ class SwiftKVLayout:
             if kind == "norm":  # k_norm_swiftkv (Qwen3): one per group, applied before RoPE
                 return Route(f"k_norm_swiftkv.{self.leaders.index(j)}.{tensor}")
             return Route(f"kv_proj_swiftkv.{tensor}", 2 * self.leaders.index(j) + (proj == "v"))
+        teacher_scale = _TEACHER_KV_OUTPUT_SCALE.match(name)
+        if self.window and teacher_scale is not None and int(teacher_scale[1]) >= self.first:
+            return Route(f"layers.{teacher_scale[1]}.self_attn.attn.{teacher_scale[2]}_scale")
         teacher = _TEACHER_QKV.match(name)
         if teacher is not None and int(teacher[1]) >= self.first:
-            return None
+            j, part = teacher[1], teacher[2]
+            tensor = name.rsplit(".", 1)[1]
+            if not self.window or part in ("q_proj", "q_norm"):
+                return None
+            if part == "k_norm":
+                return Route(f"layers.{j}.self_attn.exact_k_norm.{tensor}")
+            return Route(f"layers.{j}.self_attn.exact_kv_proj.{tensor}", int(part == "v_proj"))
         return TO_VLLM
+
+
+def exact_rows(query_start_loc: Sequence[int], window: int) -> tuple[list[int], int]:
+    """The rows of a step that run layers >= l and store exact K/V there with ``exact_kv_window = window``: each
+    request's last ``min(q_len, window)`` tokens (``query_start_loc``: the step's request boundaries, as vLLM's
+    attention metadata gives them), in order; and the most rows of one request.
+
+    That is the transformers model's rule (a forward with logits for its last k rows runs its last k - 1 + W)
+    for each request of a step, provided ``window >= 1 + num_speculative_tokens``: a request's logits rows are
+    then always among its last ``window`` rows (a prefill chunk has one, a verification ``1 + drafts <= window``
+    tokens, all of them).  A request with no tokens (vLLM's padding) adds nothing."""
+    rows: list[int] = []
+    widest = 0
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:], strict=True):
+        take = min(end - start, window)
+        rows.extend(range(end - take, end))
+        widest = max(widest, take)
+    return rows, widest
+
+
+def padded_count(count: int, sizes: Sequence[int], limit: int) -> int:
+    """``count`` rows padded to the smallest of ``sizes`` (the captured CUDA-graph batch sizes) that holds them, as
+    vLLM pads the logits rows, or ``count`` when none does; never above ``limit`` (the static buffers' rows)."""
+    return min((s for s in sizes if count <= s <= limit), default=count)
+
+
+def captured_sizes(compilation_config) -> frozenset[int]:
+    """The batch sizes vLLM captures CUDA graphs for, as its compilation config says now.  Read when used: vLLM's V1
+    runner rewrites ``cudagraph_capture_sizes`` after the model is built (to multiples of 1 + the speculative
+    tokens, ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``)."""
+    return frozenset(compilation_config.cudagraph_capture_sizes or ())

@@ -22,8 +22,12 @@ do (gemma3n, gemma4 ``fast_prefill_forward``), the decode stack always reads sta
 it is given (the runner pads the logits rows to a captured size); the prefill stack's outputs, which vLLM hands
 back as weak references into graph memory the decode stack may reuse, are copied before the decode stack runs.
 
+Exact K/V (``exact_kv_window = W >= 1``, g = 1): the rows the decode stack runs store their own K/V in each
+layer's holder before its attention reads it (``exact.py``); with W > 1 those rows are each request's last W.
+
 In teacher mode (``swiftkv: false``) the model is vLLM's own (compiled) Llama; the SwiftKV weights are skipped
-at load.  In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used).
+at load.  In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used), except the
+teacher k/v (and Qwen3's k_norm) with exact K/V.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 
+from eval.serving.vllm import fast_prefill_refusal
+from eval.serving.vllm.exact import SLOTS, PromptWindow, attend_after, use_prompt_window, write_exact_kv
 from eval.serving.vllm.internals import (
     Attention,
     ColumnParallelLinear,
@@ -60,7 +66,7 @@ from eval.serving.vllm.internals import (
     support_torch_compile,
     unified_kv_cache_update,
 )
-from eval.serving.vllm.layout import SwiftKVLayout, kv_head_slice, kv_head_split
+from eval.serving.vllm.layout import SwiftKVLayout, captured_sizes, kv_head_slice, kv_head_split
 
 ROWS = {0: "rows"}  # the one dynamic dimension of a compiled unit's tensors: tokens, or logits rows
 
@@ -108,7 +114,9 @@ class KVFanoutLinear(MergedColumnParallelLinear):
 
 class SwiftKVLlamaAttention(nn.Module):
     """Attention of a layer >= l: queries from ``q_proj_swiftkv`` (Qwen3: then ``q_norm_swiftkv`` per head); K/V
-    already in the group's cache, so the vLLM ``Attention`` shares the holder's cache and never writes it."""
+    already in the group's cache, so the vLLM ``Attention`` shares the holder's cache and never writes it.  With
+    an ``exact_holder`` (exact K/V), the rows it runs first overwrite their own slots in the holder with the layer's exact K/V (the
+    teacher's k/v in one fused ``exact_kv_proj``; Qwen3: its ``exact_k_norm`` per head; RoPE)."""
 
     def __init__(
         self,
@@ -126,6 +134,7 @@ class SwiftKVLlamaAttention(nn.Module):
         attn_type: str = "decoder",
         kv_source: str,
         qk_norm: bool = False,
+        exact_holder: Attention | None = None,
     ) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
@@ -152,13 +161,37 @@ class SwiftKVLlamaAttention(nn.Module):
             attn_type=attn_type,
             kv_sharing_target_layer_name=kv_source,
         )
+        self.exact_kv_proj = self.exact_k_norm = None
+        if exact_holder is not None:
+            if self.attn.query_quant is not None:
+                raise ValueError(
+                    f"exact K/V in {prefix}: the {self.attn.attn_backend.get_name()} backend quantizes queries for "
+                    "an FP8 KV cache, which the exact-K/V attention call does not (to resolve, pick another "
+                    "backend with --attention-backend, e.g. TRITON_ATTN, or serve with --kv-cache-dtype auto)"
+                )
+            self.exact_kv_proj = KVFanoutLinear(
+                hidden_size, self.head_dim, num_kv_heads, 1, bias=bias, quant_config=quant_config,
+                prefix=f"{prefix}.exact_kv_proj",
+            )  # fmt: skip
+            self.exact_k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
+            # referenced, not registered: the holder's scales keep their checkpoint names
+            self._holder = [exact_holder]
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, _ = self.q_proj_swiftkv(hidden_states)
         if self.q_norm_swiftkv is not None:
             q = self.q_norm_swiftkv(q.view(*q.shape[:-1], -1, self.head_dim)).view(q.shape)
-        q, _ = self.rotary_emb(positions, q, None)
-        output, _ = self.o_proj(self.attn(q, None, None))
+        if self.exact_kv_proj is None:
+            q, _ = self.rotary_emb(positions, q, None)
+            output, _ = self.o_proj(self.attn(q, None, None))
+            return output
+        kv, _ = self.exact_kv_proj(hidden_states)
+        k, v = kv.chunk(2, dim=-1)
+        if self.exact_k_norm is not None:
+            k = self.exact_k_norm(k.reshape(*k.shape[:-1], -1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        written = write_exact_kv(k, v, self._holder[0])
+        output, _ = self.o_proj(attend_after(self.attn, q, written))
         return output
 
 
@@ -237,7 +270,10 @@ class LlamaSwiftKVModel(LlamaModel):
             if j < layout.first:
                 return layer_type(vllm_config=vllm_config, prefix=prefix)
             source = f"{prefix.rsplit('.layers.', 1)[0]}.swiftkv_kv.{layout.leader_of(j)}"
-            attn = partial(SwiftKVLlamaAttention, kv_source=source, qk_norm=layout.qk_norm)
+            exact_holder = holders[str(j)] if layout.window else None  # W >= 1 needs g = 1: j is the leader
+            attn = partial(
+                SwiftKVLlamaAttention, kv_source=source, qk_norm=layout.qk_norm, exact_holder=exact_holder
+            )
             return LlamaDecoderLayer(vllm_config=vllm_config, prefix=prefix, attn_layer_type=attn)
 
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=make_layer)
@@ -270,6 +306,9 @@ class LlamaSwiftKVModel(LlamaModel):
                 "write layers >= l's K/V ahead of it (to resolve, pick another backend with --attention-backend, "
                 "e.g. FLASH_ATTN)"
             )
+        refusal = fast_prefill_refusal(vllm_config, backend.get_name())
+        if refusal is not None:
+            raise ValueError(refusal)
         # the decode stack's inputs, allocated once: CUDA graphs replay on the addresses they were captured with
         rows, device = vllm_config.scheduler_config.max_num_batched_tokens, self.embed_tokens.weight.device
         self.decode_positions = torch.zeros(rows, dtype=torch.long, device=device)
@@ -277,7 +316,21 @@ class LlamaSwiftKVModel(LlamaModel):
             rows, config.hidden_size, dtype=vllm_config.model_config.dtype, device=device
         )
         self.decode_residual = torch.zeros_like(self.decode_hidden)
-        self.graph_sizes = frozenset(vllm_config.compilation_config.cudagraph_capture_sizes or ())
+        # read when used, never copied: vLLM's V1 runner rewrites the capture sizes after the model is built
+        # (multiples of 1 + num_speculative_tokens under speculation, CompilationConfig.
+        # adjust_cudagraph_sizes_for_spec_decode), and a copy would miss most of the sizes it then captures
+        self.compilation_config = vllm_config.compilation_config
+        # exact K/V: the slots of the decode stack's rows, which every layer >= l writes its exact K/V at
+        self.decode_slots = None
+        if layout.window:
+            self.decode_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+            for holder in holders.values():
+                setattr(holder, SLOTS, self.decode_slots)
+        window = None
+        if layout.window > 1:
+            window = PromptWindow(layout.window, rows, self.compilation_config, device)
+        self.prompt_window = window  # held here: the rule applies while this model lives
+        use_prompt_window(window)
 
     # -- forward -------------------------------------------------------------------------------------
     def write_swiftkv_cache(self, positions: torch.Tensor, x_l: torch.Tensor) -> list[torch.Tensor]:
@@ -308,9 +361,10 @@ class LlamaSwiftKVModel(LlamaModel):
         return writes
 
     def _decode_rows(self, num_tokens: int) -> tuple[torch.Tensor | None, int]:
-        """The rows that go through layers >= l: the logits rows vLLM built the upper layers' attention metadata
-        for (padded to a captured batch size, the padding repeating the last row) and how many are real; or
-        ``(None, num_tokens)`` for every row (fast prefill off or not armed this step, or every row needs logits)."""
+        """The rows that go through layers >= l: the rows vLLM built the upper layers' attention metadata for (the
+        logits rows; with an exact-K/V window W > 1 each request's last W, ``PromptWindow``), padded to a captured
+        batch size (the padding repeating the last row), and how many are real; or ``(None, num_tokens)`` for
+        every row (fast prefill off or not armed this step, or every row needs logits)."""
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             meta = attn_metadata.get(self.layers[-1].self_attn.attn.layer_name)
@@ -319,6 +373,22 @@ class LlamaSwiftKVModel(LlamaModel):
                 if not n == len(rows) == num_tokens:
                     return rows.long(), n
         return None, num_tokens
+
+    def _gather_exact_slots(self, rows: torch.Tensor | None, n: int, size: int) -> None:
+        """The cache slots of the decode stack's ``size`` rows (``rows[:n]``, or every row) into the static
+        ``decode_slots``, which the exact K/V writes read; -1 (written nowhere) for padding rows, and for every row
+        when the step has no slots (vLLM's memory-profiling run).  The holders have one KV-cache spec, so vLLM puts
+        them in one KV-cache group with one slot mapping."""
+        mapping = get_forward_context().slot_mapping
+        source = mapping.get(next(iter(self.swiftkv_kv.values())).layer_name) if mapping else None
+        slots = self.decode_slots[:size]
+        if source is None:
+            slots.fill_(-1)
+        elif rows is None:
+            slots.copy_(source[:size])
+        else:
+            torch.index_select(source, 0, rows, out=slots)
+            slots[n:].fill_(-1)
 
     @contextmanager
     def _graph_batch(self, size: int):
@@ -329,7 +399,7 @@ class LlamaSwiftKVModel(LlamaModel):
         descriptor, mode = context.batch_descriptor, context.cudagraph_runtime_mode
         if descriptor is not None and descriptor.num_tokens != size:
             context.batch_descriptor = dataclasses.replace(descriptor, num_tokens=size)
-            if mode == CUDAGraphMode.PIECEWISE and size not in self.graph_sizes:
+            if mode == CUDAGraphMode.PIECEWISE and size not in captured_sizes(self.compilation_config):
                 context.cudagraph_runtime_mode = CUDAGraphMode.NONE
         try:
             yield
@@ -358,6 +428,8 @@ class LlamaSwiftKVModel(LlamaModel):
             placeholders = (
                 hidden.clone()
             )  # rows that skip the upper layers return their layer-l state (unread)
+        if self.decode_slots is not None:
+            self._gather_exact_slots(rows, n, size)
         with self._graph_batch(size):
             out, upper_aux = self.decode_stack(*inputs)
         if rows is not None:
