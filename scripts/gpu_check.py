@@ -423,7 +423,16 @@ def vllm_section(args) -> dict:
     out = args.out.with_name(args.out.stem + "_vllm.json")
     script = Path(__file__).with_name("gpu_check_vllm.py")
     proc = subprocess.run(
-        [args.vllm_python, str(script), "--out", str(out), "--budget-s", str(args.vllm_budget_s)]
+        [
+            args.vllm_python,
+            str(script),
+            "--out",
+            str(out),
+            "--budget-s",
+            str(args.vllm_budget_s),
+            "--reference-python",
+            sys.executable,
+        ]  # fmt: skip  (the transformers reference: this environment)
     )
     if not out.is_file():
         reason = f"gpu_check_vllm.py exited {proc.returncode} without a report"

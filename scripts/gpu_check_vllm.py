@@ -29,12 +29,15 @@ checkpoint, and the capture of vLLM's default sizes), 20 s for the eager one and
 workload and the transformers reference; 16 rows make 24 minutes, and the default budget leaves two thirds more.
 Every row records its wall times, so the first real run shows how far off the estimates are.
 
-Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it.
-``--cpu`` runs the same rows on vLLM's CPU build (fp32, eager, no graphs: the row logic, not the GPU) and
-``--rows`` picks rows by name.
+Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it.  The
+transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the transformers
+this package pins: vLLM often pins an older one, so point it at the environment where this package is installed
+with its dependencies (``scripts/gpu_check.py`` passes its own).  ``--cpu`` runs the same rows on vLLM's CPU build
+(fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
 
-    python scripts/gpu_check_vllm.py --out gpu_check_vllm.json
-    python scripts/gpu_check_vllm.py --cpu --rows swiftkv50,control --out /tmp/check.json   # what a test runs
+    python scripts/gpu_check_vllm.py --reference-python .venv/bin/python --out gpu_check_vllm.json
+    python scripts/gpu_check_vllm.py --cpu --rows swiftkv50,control --reference-python .venv/bin/python \\
+        --out /tmp/check.json   # what a test runs
 """
 
 from __future__ import annotations
@@ -261,6 +264,41 @@ def build_checkpoints(out: Path, dtype: str) -> dict[str, Path]:
     }  # fmt: skip
 
 
+REFERENCE_PROBE = """
+from importlib.metadata import requires, version
+from packaging.requirements import Requirement
+need = [Requirement(r) for r in requires("swiftkv-toolkit") if Requirement(r).name == "transformers"][0]
+if not need.specifier.contains(version("transformers"), prereleases=True):
+    print(f"transformers {version('transformers')} (this package needs {need.specifier})")
+"""
+
+
+def reference_unusable(python: str) -> str | None:
+    """Why ``python`` cannot run the transformers reference (this package's model classes need the transformers
+    it pins; a serving environment often has vLLM's older one), or None."""
+    probe = subprocess.run([python, "-c", REFERENCE_PROBE], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"it cannot import this package's requirements ({probe.stderr.strip().splitlines()[-1]})"
+    return probe.stdout.strip() or None
+
+
+def run_reference(
+    python: str, model_dir: Path, requests: list[tuple[list[int], list[int]]], tmp: Path, timeout_s: float
+) -> dict:
+    """``reference_logprobs`` in ``python`` (a child process: {"requests": [...]} or {"error": ...})."""
+    job, out = tmp / "reference_in.json", tmp / "reference_out.json"
+    job.write_text(json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK}))
+    out.unlink(missing_ok=True)
+    cmd = [python, str(Path(__file__).resolve()), "--reference", str(job), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout_s:.0f} s"}
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": proc.stderr or f"exit {proc.returncode}"}
+    return {"requests": json.loads(out.read_text())}
+
+
 def reference_logprobs(
     model_dir: Path, requests: list[tuple[list[int], list[int]]], chunk: int
 ) -> list[dict]:
@@ -381,7 +419,9 @@ def run_rows(
     return out
 
 
-def served_row(row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, timeout_s: float) -> dict:
+def served_row(
+    row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, timeout_s: float, reference_python: str
+) -> dict:
     """Both engines of a row, the transformers reference, and the raw comparisons (``status`` ``ran`` or FAIL)."""
     base = {**(CPU_ENGINE if cpu else {}), **row.engine}
     fast = run_engine(checkpoints[row.model], base, row.env, tmp, timeout_s, row.long)
@@ -405,15 +445,20 @@ def served_row(row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, tim
         vocab = TINY["vocab_size"]
         inputs = [*prompts(vocab), *prompts(vocab), *([long_prompt(vocab)] if row.long else [])]
         t0 = time.monotonic()
-        ref = reference_logprobs(
-            checkpoints[row.model], [(p, r["tokens"]) for p, r in zip(inputs, requests, strict=True)], CHUNK
-        )
-        result["reference"] = reference_diff(requests, ref)
+        pairs = [(p, r["tokens"]) for p, r in zip(inputs, requests, strict=True)]
+        ref = run_reference(reference_python, checkpoints[row.model], pairs, tmp, timeout_s)
+        if "error" in ref:
+            return {
+                **result,
+                "status": "FAIL",
+                "why": [f"the transformers reference failed: {ref['error'][-600:]}"],
+            }
+        result["reference"] = reference_diff(requests, ref["requests"])
         result["wall_s"]["reference"] = time.monotonic() - t0
     return result
 
 
-def check(budget_s: float, cpu: bool, names: list[str] | None) -> dict:
+def check(budget_s: float, cpu: bool, names: list[str] | None, reference_python: str) -> dict:
     rows = plan()
     if names is not None:
         unknown = sorted(set(names) - {r.name for r in rows})
@@ -425,7 +470,9 @@ def check(budget_s: float, cpu: bool, names: list[str] | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = build_checkpoints(tmp / "models", "float32" if cpu else "bfloat16")
-        results = run_rows(rows, lambda row: served_row(row, checkpoints, tmp, cpu, timeout_s=900), budget_s)
+        results = run_rows(
+            rows, lambda row: served_row(row, checkpoints, tmp, cpu, 900, reference_python), budget_s
+        )
     status, tol = verdict(results)
     if names is not None and status == "ok" and len(rows) < len(plan()):
         status = "incomplete"  # a chosen subset never says ok
@@ -469,11 +516,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", type=lambda s: s.split(","), help="only these rows (the verdict is then at best incomplete)"
     )
+    parser.add_argument(
+        "--reference-python",
+        default=sys.executable,
+        help="the interpreter for the transformers reference: one with this package's own transformers "
+        "(default: this one)",
+    )
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine, in a child process
+    parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)  # internal: the reference, likewise
     args = parser.parse_args(argv)
     if args.engine:
         engine = json.loads(args.engine)
         args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))
+        return 0
+    if args.reference:
+        job = json.loads(args.reference.read_text())
+        args.out.write_text(json.dumps(reference_logprobs(Path(job["model"]), job["requests"], job["chunk"])))
         return 0
     try:
         import torch
@@ -486,7 +544,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine, or pass "
               "--cpu for the row logic on vLLM's CPU build)", file=sys.stderr)  # fmt: skip
         return STATUS["no GPU"]
-    report = check(args.budget_s, args.cpu, args.rows)
+    unusable = reference_unusable(args.reference_python)
+    if unusable:
+        print(f"error: {args.reference_python} cannot run the transformers reference: {unusable} (to resolve, "
+              "pass --reference-python with the python of an environment where this package is installed with "
+              "its dependencies)", file=sys.stderr)  # fmt: skip
+        return 2
+    report = check(args.budget_s, args.cpu, args.rows, args.reference_python)
     print_table(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

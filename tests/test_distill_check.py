@@ -46,10 +46,12 @@ def check(capsys, *argv) -> tuple[int, str, str]:
         ("llama3.1_8b", {}),
         ("llama3.3_70b", {}),
         ("qwen2.5_7b", {}),
-        ("qwen2.5_7b", {"model.swiftkv.group_size": 7, "model.swiftkv.num_key_value_layers": 14}),
-        ("llama3.1_8b", {"train.trainable": "lora", "model.swiftkv.group_size": 2}),
+        # AcrossKV groups share one K/V, so they go without the recipes' exact K/V window
+        ("qwen2.5_7b", {"model.swiftkv.group_size": 7, "model.swiftkv.num_key_value_layers": 14,
+                        "model.exact_kv_window": 0}),
+        ("llama3.1_8b", {"train.trainable": "lora", "model.swiftkv.group_size": 2, "model.exact_kv_window": 0}),
     ],
-)
+)  # fmt: skip
 def test_parameter_counts_equal_the_model_classes(name, overrides):
     """Total and trainable parameters of the plan equal those of the SwiftKV model built from the config
     (on the meta device: no memory), trainable as distill.train selects them (peft for LoRA)."""

@@ -203,7 +203,8 @@ def test_vllm_comparisons_follow_greedy_prefixes_and_near_ties():
 def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     """The rows' own code on vLLM's CPU build (fp32, eager): an exact-K/V row and the control pass with the
     transformers path's log-probabilities, prefix hits in the second pass and the long prompt chunked; a chosen
-    subset is at best incomplete; without --cpu on a machine without a GPU it refuses in one line."""
+    subset is at best incomplete; without --cpu on a machine without a GPU it refuses in one line, and so it does
+    when the reference's interpreter has vLLM's older transformers."""
     from eval.serving.vllm.cpu import cpu_environment
 
     env = {**os.environ, **cpu_environment(tmp_path)}
@@ -214,6 +215,8 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
         "--cpu",
         "--rows",
         "swiftkv50_exact,control",
+        "--reference-python",
+        sys.executable,
         "--out",
         str(out),
     ]
@@ -233,3 +236,9 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
             [vllm_python, "scripts/gpu_check_vllm.py"], cwd=REPO, capture_output=True, text=True, env=env
         )
         assert refused.returncode == 4 and refused.stderr.startswith("no GPU: no CUDA device is visible")
+    # vLLM's own transformers is older than this package's: the reference there is refused before any work
+    stale = subprocess.run(
+        [vllm_python, "scripts/gpu_check_vllm.py", "--cpu", "--reference-python", str(vllm_python)],
+        cwd=REPO, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert stale.returncode == 2 and "this package needs" in stale.stderr and stale.stderr.count("\n") == 1
