@@ -9,6 +9,7 @@ each step).  The FLOP-ideal speedup is ``swiftkv.flops.ideal_prefill_speedup`` (
 
     python scripts/bench_prefill.py ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct
     python scripts/bench_prefill.py out/smollm2-swiftkv50 --lengths 512,1024 --repeats 3
+    python scripts/bench_prefill.py MODEL --dtypes float32 --batches 1 --variants 0.5:1,0.5:1:32   # exact K/V window
 """
 
 from __future__ import annotations
@@ -37,15 +38,26 @@ def load_original(path: Path, dtype: torch.dtype):
     return model
 
 
-def variants(original, specs: list[tuple[float, int]]) -> dict[str, torch.nn.Module]:
+def variants(original, specs: list[tuple[float, int, int]]) -> dict[str, torch.nn.Module]:
+    """The original and one SwiftKV model per (fraction, group size, exact K/V window) on its weights."""
     L = original.config.num_hidden_layers
     models = {"original": original}
-    for fraction, g in specs:
+    for fraction, g, window in specs:
         l = resolve_num_key_value_layers(L, None, fraction, g)
         model = to_swiftkv(original, l, g)
+        model.config.exact_kv_window = window
         model.set_mode("student")
-        models[f"swiftkv{round(fraction * 100)}-g{g}"] = model
+        models[f"swiftkv{round(fraction * 100)}-g{g}" + (f"-w{window}" if window else "")] = model
     return models
+
+
+def parse_variants(text: str) -> list[tuple[float, int, int]]:
+    """``fraction:group_size[:exact_kv_window],...``"""
+    specs = []
+    for item in text.split(","):
+        fraction, g, *window = item.split(":")
+        specs.append((float(fraction), int(g), int(window[0]) if window else 0))
+    return specs
 
 
 def build_parser() -> ArgumentParser:
@@ -55,7 +67,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096])
     parser.add_argument("--batches", type=int_list, default=[1, 8])
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="skip batch x length above this")
-    parser.add_argument("--variants", default="0.25:1,0.25:2,0.5:1,0.5:2", help="fraction:group_size,...")
+    parser.add_argument(
+        "--variants",
+        type=parse_variants,
+        default="0.25:1,0.25:2,0.5:1,0.5:2",
+        help="fraction:group_size[:exact_kv_window],... (e.g. 0.5:1:32)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-steps", type=int, default=15)
@@ -66,7 +83,7 @@ def build_parser() -> ArgumentParser:
 
 def bench(args) -> None:
     torch.set_num_threads(args.threads)
-    specs = [(float(f), int(g)) for f, g in (v.split(":") for v in args.variants.split(","))]
+    specs = args.variants
     lengths, batches = args.lengths, args.batches
     rows = []
     for dtype_name in args.dtypes.split(","):
