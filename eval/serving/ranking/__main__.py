@@ -1,4 +1,4 @@
-"""``python -m eval.serving.ranking``: traces, train, evaluate, calibrate, simulate (thin argparse over the functions)."""
+"""``python -m eval.serving.ranking``: traces, labels, train, evaluate, proxy, calibrate, simulate (thin argparse over the functions)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ from swiftkv.cliargs import (
 
 EPILOG = """examples:
   python -m eval.serving.ranking traces MODEL --out out/traces --data sharegpt --limit 2000 --max-new-tokens 512
+  python -m eval.serving.ranking labels MODEL --out out/sharegpt-lengths                      # recorded ShareGPT reply lengths
+  python -m eval.serving.ranking train out/sharegpt-lengths --out out/ranker-ngram --kind ngram  # cheap, for the proxy
+  python -m eval.serving.ranking proxy out/ranker-ngram --upstream http://127.0.0.1:8000 --port 8100
   python -m eval.serving.ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
   python -m eval.serving.ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
   python -m eval.serving.ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
@@ -57,6 +60,29 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     add_dtype(p, "float32", TORCH_DTYPES)
     add_seed(p)
+
+    p = sub.add_parser(
+        "labels", help="ShareGPT's recorded reply lengths in MODEL's tokenizer, as vLLM's client counts"
+    )
+    add_checkpoint(p)
+    add_out(p, help="traces directory to write")
+    p.add_argument("--data", default="sharegpt", help="`sharegpt` or a ShareGPT-format JSONL")
+    p.add_argument("--records", choices=["train", "heldout", "all"], default="train", help="embedded split")
+    p.add_argument("--limit", type=int, default=None, help="at most this many pairs")
+    p.add_argument(
+        "--sharegpt-json", help="also write the pairs as a ShareGPT JSON for vLLM's --dataset-path"
+    )
+
+    p = sub.add_parser(
+        "proxy", help="OpenAI-compatible proxy: score each request, forward it with `priority`"
+    )
+    add_model(p, "ranker", help="ngram ranker directory (from `train --kind ngram`)")
+    p.add_argument(
+        "--upstream", required=True, help="vLLM server URL, started with --scheduling-policy priority"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--scale", type=float, default=1000.0, help="priority = -round(score * scale)")
 
     p = sub.add_parser("train", help="train a ranker on the training split and export it")
     add_model(p, "traces", help="traces directory or JSONL with `prompt` and `output_len`")
@@ -136,6 +162,18 @@ def _command(args) -> str | None:
                 args.dtype,
             )
         )
+    if args.command == "labels":
+        from .labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+
+        file = sharegpt_lengths(args.model, args.out, args.data, args.records, args.limit)
+        if args.sharegpt_json:
+            write_sharegpt_json(first_pairs(args.data, args.records), args.sharegpt_json)
+        return str(file)
+    if args.command == "proxy":
+        from .proxy import serve
+
+        serve(args.ranker, args.upstream, args.host, args.port, args.scale)
+        return None
     if args.command == "train":
         from .train import TrainConfig, train_ranker
 

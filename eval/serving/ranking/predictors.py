@@ -9,9 +9,12 @@
   standardized with training statistics.  Features come from ``hidden_states[l]`` of the model loaded with
   only ``l + 1`` layers (equal to the full model's ``hidden_states[l]``), so no SwiftKV class is needed.
 
-Either can instead be a bucket classifier (objective ``buckets``), the baseline the paper compares with.
+* ``ngram`` (for a proxy in front of a server): ridge regression of log length on hashed token n-grams of the
+  served model's tokenizer (:mod:`.ngram`); no model runs, a 1k-token prompt scores in about a millisecond.
+
+Either LM kind can instead be a bucket classifier (objective ``buckets``), the baseline the paper compares with.
 An exported ranker is ``ranker.json`` (score semantics, labels, options) + tokenizer + weights
-(the small LM via ``save_pretrained``; the head as ``head.safetensors``).  The directory holds no path: a head
+(the small LM via ``save_pretrained``; the head as ``head.safetensors``; the n-gram model as ``ngram.safetensors``).  The directory holds no path: a head
 records the ``model_fingerprint`` of the model whose x_l it reads, and whoever loads it names that model
 (``Ranker(dir, target_model=...)``), which is checked against the fingerprint.
 """
@@ -44,8 +47,8 @@ class RankerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["small-lm", "swiftkv-head"]
-    objective: Literal["listmle", "buckets"]
+    kind: Literal["small-lm", "swiftkv-head", "ngram"]
+    objective: Literal["listmle", "buckets", "regression"]
     label_cap: int
     label_bin: int
     max_prompt_tokens: int
@@ -54,6 +57,8 @@ class RankerSpec(BaseModel):
     model_fingerprint: str | None = None
     head_hidden: int | None = None
     feature_dim: int | None = None
+    ngram_bits: int | None = None
+    ngram_edge: int | None = None
     score: str = SCORE_SEMANTICS
 
     @property
@@ -215,7 +220,7 @@ def small_lm_logits(tokenizer, model, prompts: list[str], max_prompt_tokens: int
 
 def to_scores(spec: RankerSpec, logits: torch.Tensor) -> torch.Tensor:
     """Raw outputs -> scores (higher = shorter) for either objective."""
-    return logits[:, 0] if spec.objective == "listmle" else bucket_score(logits)
+    return logits[:, 0] if spec.objective in ("listmle", "regression") else bucket_score(logits)
 
 
 class Ranker:
@@ -240,6 +245,16 @@ class Ranker:
         if self.spec.kind == "small-lm":
             self.tokenizer, self.model = load_small_lm(path, self.spec.outputs)
             self.model.eval()
+        elif self.spec.kind == "ngram":
+            from safetensors.numpy import load_file as load_numpy
+            from transformers import AutoTokenizer
+
+            from .ngram import NGRAM_FILE, NgramScorer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.ngram = NgramScorer(
+                load_numpy(path / NGRAM_FILE), self.spec.ngram_bits or 20, self.spec.ngram_edge or 0
+            )
         else:
             self.head = SwiftKVHead(self.spec.feature_dim, self.spec.head_hidden, self.spec.outputs)
             self.head.load_state_dict(load_file(path / HEAD_FILE))
@@ -251,8 +266,18 @@ class Ranker:
         """Scores from x_l of shape (b, t, H) for left-padded prompts (swiftkv-head only)."""
         return to_scores(self.spec, self.head(HiddenStateFeatures.pool(hidden, mask))).numpy()
 
+    def score_ids(self, token_ids: list[list[int]]) -> np.ndarray:
+        """Scores of prompts already tokenized by the served model's tokenizer (ngram only)."""
+        if self.spec.kind != "ngram":
+            raise ValueError(
+                f"score_ids needs an ngram ranker, this is {self.spec.kind}; to resolve, call score"
+            )
+        return self.ngram.scores(token_ids)
+
     @torch.no_grad()
     def score(self, prompts: list[str], batch_size: int = 8, progress: bool = False) -> np.ndarray:
+        if self.spec.kind == "ngram":  # the raw text, as vLLM counts it (no chat template)
+            return self.ngram.scores(self.tokenizer(list(prompts)).input_ids if prompts else [])
         if self.spec.kind == "small-lm":
             parts = [
                 to_scores(

@@ -2,7 +2,9 @@
 
 One short loop for both kinds: every mini-batch of ``list_size`` training prompts is one list.  For the
 ``swiftkv-head`` the served model's pooled x_l is computed once (the model is frozen), so training the
-head takes seconds; the ``small-lm`` fine-tunes the whole small LM.  The held-out split is a seeded
+head takes seconds; the ``small-lm`` fine-tunes the whole small LM; the ``ngram`` kind is one ridge solve
+(:mod:`.ngram`, no loop).  Beside each ranker ``train.json`` keeps the one-feature baseline: the mean log
+length per prompt-length quantile bin of the training split, which ``evaluate`` scores next to it.  The held-out split is a seeded
 shuffle recorded in ``train.json``, so ``evaluate`` and ``simulate`` later score the same prompts.
 """
 
@@ -45,7 +47,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["small-lm", "swiftkv-head"] = "swiftkv-head"
+    kind: Literal["small-lm", "swiftkv-head", "ngram"] = "swiftkv-head"
     objective: Literal["listmle", "buckets"] = Field(
         "listmle", description="buckets = classification baseline"
     )
@@ -64,6 +66,9 @@ class TrainConfig(BaseModel):
     label_bin: int = Field(10, ge=1)
     buckets: int = Field(8, ge=2, description="classes of the bucket baseline (equal-mass length buckets)")
     head_hidden: int = Field(256, ge=1)
+    alpha: float = Field(0.5, gt=0, description="ridge penalty of the ngram kind")
+    ngram_bits: int = Field(20, ge=8, le=24, description="ngram kind: 2**bits hashed slots")
+    ngram_edge: int = Field(16, ge=0, description="ngram kind: also tag n-grams of the first/last N tokens")
     held_out: float = Field(0.2, gt=0, lt=1)
     batch_size: int = Field(8, ge=1, description="forward micro-batch inside a list")
     seed: int = 0
@@ -80,6 +85,37 @@ def _loss(spec: RankerSpec, logits: torch.Tensor, lengths: np.ndarray, gen: torc
         return listmle_loss(logits[:, 0], labels, gen)
     classes = torch.from_numpy(np.searchsorted(np.asarray(spec.bucket_edges), lengths, side="right"))
     return torch.nn.functional.cross_entropy(logits, classes, reduction="sum")
+
+
+ONE_FEATURE_BINS = 20
+
+
+def one_feature_fit(prompt_lens: np.ndarray, lengths: np.ndarray) -> dict:
+    """The one-feature regression baseline: mean log length per prompt-length quantile bin (any shape)."""
+    prompt_lens, log_len = np.asarray(prompt_lens, np.float64), np.log(np.maximum(lengths, 1))
+    edges = np.unique(np.quantile(prompt_lens, np.linspace(0, 1, ONE_FEATURE_BINS + 1)[1:-1]))
+    bins = np.searchsorted(edges, prompt_lens, side="right")
+    means = [
+        float(log_len[bins == k].mean()) if (bins == k).any() else float(log_len.mean())
+        for k in range(len(edges) + 1)
+    ]
+    return {"edges": edges.tolist(), "mean_log_len": means}
+
+
+def one_feature_scores(fit: dict, prompt_lens) -> np.ndarray:
+    """Scores of the one-feature baseline (higher = shorter)."""
+    bins = np.searchsorted(np.asarray(fit["edges"]), np.asarray(prompt_lens, np.float64), side="right")
+    return -np.asarray(fit["mean_log_len"])[bins]
+
+
+def _train_ngram(train: list[Trace], spec: RankerSpec, config: TrainConfig, tokenizer) -> dict:
+    from .ngram import fit
+
+    spec.objective, spec.ngram_bits, spec.ngram_edge = "regression", config.ngram_bits, config.ngram_edge
+    ids = tokenizer([t.prompt for t in train]).input_ids
+    return fit(
+        ids, np.array([t.output_len for t in train]), config.ngram_bits, config.ngram_edge, config.alpha
+    )
 
 
 def train_ranker(
@@ -111,6 +147,36 @@ def train_ranker(
     gen = torch.Generator().manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     prompts = [t.prompt for t in train]
+    info = {
+        "traces_sha256": sha256_file(traces_file(traces_path)),
+        "n_train": len(train),
+        "n_held_out": len(test),
+        "config": config.model_dump(exclude={"target_model", "backbone"}),  # paths: not portable
+        "one_feature": one_feature_fit(np.array([_prompt_len(t) for t in train]), lengths),
+    }
+    if config.kind == "ngram":
+        if target is None:
+            raise ValueError("the traces name no model; to resolve, pass --target-model DIR (its tokenizer)")
+        from safetensors.numpy import save_file as save_numpy
+        from transformers import AutoTokenizer
+
+        from .ngram import NGRAM_FILE
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        tensors = _train_ngram(train, spec, config, tokenizer)
+        with atomic_output_dir(out_dir, force) as tmp:
+            save_spec(tmp, spec)
+            save_numpy(tensors, str(tmp / NGRAM_FILE))
+            tokenizer.save_pretrained(tmp)
+            write_json_atomic(tmp / TRAIN_FILE, {**info, "lr": None, "history": []})
+            write_provenance(
+                tmp,
+                "eval.serving.ranking.train",
+                traces_sha256=info["traces_sha256"],
+                kind="ngram",
+                objective="regression",
+            )
+        return Path(out_dir)
     if config.kind == "swiftkv-head":
         if target is None:
             raise ValueError("the traces name no model; to resolve, pass --target-model DIR")
@@ -180,18 +246,7 @@ def train_ranker(
         else:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        write_json_atomic(
-            tmp / TRAIN_FILE,
-            {
-                "traces_sha256": sha256_file(traces_file(traces_path)),
-                "n_train": len(train),
-                "n_held_out": len(test),
-                "config": config.model_dump(exclude={"target_model", "backbone"}),  # paths: not portable
-                "lr": lr,
-                "history": history,
-                "train_tau": train_tau,
-            },
-        )
+        write_json_atomic(tmp / TRAIN_FILE, {**info, "lr": lr, "history": history, "train_tau": train_tau})
         write_provenance(
             tmp,
             "eval.serving.ranking.train",
@@ -240,13 +295,28 @@ def evaluate_ranker(
     traces = held_out_traces(ranker_dir, traces_path, split)
     labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
     scores = ranker.score([t.prompt for t in traces], progress=True)
+    raw = [-t.output_len for t in traces]  # unbinned, uncapped: higher = shorter
+    prompt_lens = [_prompt_len(t) for t in traces]
+    info = json.loads((Path(ranker_dir) / TRAIN_FILE).read_text())
+    baseline = {}
+    if "one_feature" in info:
+        one = one_feature_scores(info["one_feature"], prompt_lens)
+        baseline = {"one_feature_tau": kendall_tau(one, labels), "one_feature_tau_raw": kendall_tau(one, raw)}
     return {
         "ranker": str(ranker_dir),
         "kind": ranker.spec.kind,
         "objective": ranker.spec.objective,
         "n": len(traces),
         "kendall_tau": kendall_tau(scores, labels),
+        "kendall_tau_raw": kendall_tau(scores, raw),
         "prompt_len_tau": kendall_tau([-t.prompt_len for t in traces], labels),
+        "prompt_len_tau_raw": kendall_tau([-t.prompt_len for t in traces], raw),
+        **baseline,
         "tie_free_oracle_tau": tau_ceiling(labels),
         "capped_fraction": float(np.mean([t.output_len >= ranker.spec.label_cap for t in traces])),
     }
+
+
+def _prompt_len(trace: Trace) -> int:
+    """The recorded prompt length (character count / 4 for traces from elsewhere that lack it)."""
+    return trace.prompt_len or max(1, len(trace.prompt) // 4)
