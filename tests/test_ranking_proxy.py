@@ -200,3 +200,9 @@ def test_overhead_is_small(ranker_dir):
         result["prompt_tokens"] >= 900 and result["cpu_ms_p50"] < 50
     )  # ~1 ms idle; generous for shared CPUs
     assert np.isfinite(result["cpu_ms_p90"])
+
+
+def test_oracle_mode_uses_max_tokens():
+    p = Prioritizer(None, oracle=True)
+    assert p.priority("/v1/completions", {"prompt": "x", "max_tokens": 37}) == 37
+    assert p.priority("/v1/completions", {"prompt": "x"}) == p.fallback

@@ -83,6 +83,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--scale", type=float, default=1000.0, help="priority = -round(score * scale)")
+    p.add_argument(
+        "--oracle", action="store_true", help="benchmarks only: priority = the request's max_tokens"
+    )
 
     p = sub.add_parser("train", help="train a ranker on the training split and export it")
     add_model(p, "traces", help="traces directory or JSONL with `prompt` and `output_len`")
@@ -172,7 +175,7 @@ def _command(args) -> str | None:
     if args.command == "proxy":
         from .proxy import serve
 
-        serve(args.ranker, args.upstream, args.host, args.port, args.scale)
+        serve(args.ranker, args.upstream, args.host, args.port, args.scale, args.oracle)
         return None
     if args.command == "train":
         from .train import TrainConfig, train_ranker

@@ -68,11 +68,17 @@ def prompt_of(path: str, body: dict):
 
 
 class Prioritizer:
-    """Scores request bodies; thread-safe; never raises (a failure gives ``fallback`` and is logged)."""
+    """Scores request bodies; thread-safe; never raises (a failure gives ``fallback`` and is logged).
 
-    def __init__(self, ranker_dir=None, scale: float = 1000.0):
-        self.scale, self.ranker, self.fallback, self.failures = scale, None, 0, 0
+    ``oracle=True`` is for benchmarks only: the priority is the request's own ``max_tokens``, which vLLM's
+    client sets to the true reply length (with ``--ignore-eos``), i.e. shortest-job-first with true lengths."""
+
+    def __init__(self, ranker_dir=None, scale: float = 1000.0, oracle: bool = False):
+        self.scale, self.ranker, self.fallback, self.failures, self.oracle = scale, None, 0, 0, oracle
         self._lock = threading.Lock()
+        if oracle:
+            log.info("oracle priorities: max_tokens of each request (a benchmark ceiling, not a deployment)")
+            return
         if ranker_dir is None:
             log.warning("no ranker: every request gets priority 0 (FCFS order)")
             return
@@ -96,6 +102,9 @@ class Prioritizer:
         return int(np.clip(-round(score * self.scale), -PRIORITY_LIMIT, PRIORITY_LIMIT))
 
     def priority(self, path: str, body: dict) -> int:
+        if self.oracle:
+            tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+            return int(np.clip(tokens, 0, PRIORITY_LIMIT)) if type(tokens) is int else self.fallback
         if self.ranker is None:
             return self.fallback
         try:
@@ -201,18 +210,30 @@ class ProxyServer(ThreadingHTTPServer):
     request_queue_size = 1024  # a burst of a few hundred connections must not be refused
 
 
-def make_server(ranker_dir, upstream: str, host: str = "127.0.0.1", port: int = 8100, scale: float = 1000.0):
+def make_server(
+    ranker_dir,
+    upstream: str,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    scale: float = 1000.0,
+    oracle: bool = False,
+):
     """The proxy server (not started): ``serve_forever()`` it, or ``serve`` for the CLI."""
-    prioritizer = Prioritizer(ranker_dir, scale)
+    prioritizer = Prioritizer(ranker_dir, scale, oracle)
     server = ProxyServer((host, port), make_handler(prioritizer, upstream))
     server.prioritizer = prioritizer
     return server
 
 
 def serve(
-    ranker_dir, upstream: str, host: str = "127.0.0.1", port: int = 8100, scale: float = 1000.0
+    ranker_dir,
+    upstream: str,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    scale: float = 1000.0,
+    oracle: bool = False,
 ) -> None:
-    server = make_server(ranker_dir, upstream, host, port, scale)
+    server = make_server(ranker_dir, upstream, host, port, scale, oracle)
     log.info("ranking proxy on http://%s:%d -> %s", host, server.server_address[1], upstream)
     try:
         server.serve_forever()
