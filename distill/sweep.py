@@ -24,9 +24,9 @@ from swiftkv.cliargs import ArgumentParser, UsageError, add_model, add_out, floa
 from swiftkv.convert import ConversionError, read_config, resolve_num_key_value_layers
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
 
-from .recipe import Recipe, SwiftKVOptions
+from .recipe import SHIPPED_RECIPES, Recipe, SwiftKVOptions, recipe_path
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "swiftkv_smollm2_cpu.yaml"
+RECIPE = SHIPPED_RECIPES / "swiftkv_smollm2_cpu.yaml"
 RESULT = "sweep_result.json"
 EPILOG = """examples:
   python -m distill sweep ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
@@ -326,7 +326,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--budget-tokens", type=int, required=True, help="tokens of distillation per candidate"
     )
-    parser.add_argument("--recipe", type=Path, default=RECIPE, help=f"base recipe (default: {RECIPE.name})")
+    parser.add_argument(
+        "--recipe", default=RECIPE, help=f"base recipe: a file or a shipped name (default: {RECIPE.name})"
+    )
     parser.add_argument("--max-kl", type=float, help="quality budget: held-out KL at most this")
     parser.add_argument("--max-ppl-ratio", type=float, help="quality budget: perplexity ratio at most this")
     parser.add_argument(
@@ -345,7 +347,7 @@ def _sweep(args) -> str:
         args.fractions,
         args.budget_tokens,
         args.out,
-        args.recipe,
+        recipe_path(args.recipe),
         args.overrides,
         args.max_kl,
         args.max_ppl_ratio,

@@ -5,8 +5,8 @@ unchanged and reruns (with everything downstream) when they change; an interrupt
 its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
 
 The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub id, checked by
-``swiftkv.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, found with
-``importlib.resources``, so a non-editable install has them too: ``RECIPES``) or a path.  ``device`` and
+``swiftkv.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, so a
+non-editable install has them too: ``distill.recipe.recipe_path``) or a path.  ``device`` and
 ``dtype`` place the evaluation stages (quality, speed, lm-eval; ``eval.quality.load_for_eval``); the
 distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``): in this process (one GPU
 when there is one), or with ``launch`` under ``accelerate launch`` on every GPU its config names.  The
@@ -20,7 +20,6 @@ prefill_speedup, decode_s, decode_ratio}, lm_eval, distill}]}``.
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import platform
 import shlex
@@ -31,8 +30,6 @@ from pathlib import Path
 
 import torch
 
-# the shipped recipes (recipes/ of the repository, package data of distill)
-RECIPES = Path(str(importlib.resources.files("distill") / "recipes"))
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
 LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
@@ -96,22 +93,6 @@ def job_settings(quick: bool, fractions: list[float] | None, distill_steps: int 
     return cfg
 
 
-def recipe_path(recipe: str | Path) -> Path:
-    """A recipe file: an existing path, else the name of a shipped one (``RECIPES``, ``.yaml`` optional)."""
-    from swiftkv.cliargs import UsageError
-
-    path = Path(recipe).expanduser()
-    if path.is_file():
-        return path
-    name = path.name if path.suffix else f"{path.name}.yaml"
-    if (RECIPES / name).is_file() and path.parent == Path("."):
-        return RECIPES / name
-    shipped = ", ".join(sorted(p.name for p in RECIPES.glob("*.yaml")))
-    raise UsageError(
-        f"recipe {recipe} not found (to resolve, pass a recipe file or a shipped one: {shipped})"
-    )
-
-
 def run_job(
     run_dir: Path | None = None,
     quick: bool = False,
@@ -129,6 +110,7 @@ def run_job(
     ``launch``: an accelerate config; each distillation then runs as ``accelerate launch --config_file LAUNCH
     -m distill ...`` (all the GPUs it names) instead of in this process."""
     from distill.check import load_recipe_or_usage
+    from distill.recipe import recipe_path
     from swiftkv.artifacts import read_provenance
     from swiftkv.assets import fetch_model, fetch_sharegpt
     from swiftkv.card import quality_section, set_quality

@@ -18,8 +18,9 @@ import pytest
 from huggingface_hub import ModelCard
 from tiny_chat import save_chat_model
 
+from distill.recipe import SHIPPED_RECIPES
 from eval.__main__ import main
-from eval.job import DEFAULT_RECIPE, RECIPES
+from eval.job import DEFAULT_RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -79,7 +80,7 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run(
-        [python, "-c", "import eval.job as j; print(j.__file__, j.RECIPES)"],
+        [python, "-c", "import eval.job as j, distill.sweep as s; print(j.__file__, s.RECIPE.parent)"],
         capture_output=True,
         text=True,
         cwd=elsewhere,
@@ -156,7 +157,7 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, hub, tmp_p
 def test_a_failed_launch_ends_in_one_line_below_the_distillations_own(sharegpt, tmp_path, capfd):
     recipe, launch = tmp_path / "powersgd.yaml", tmp_path / "one_process.yaml"
     # a DDP hook on one process: the launched distillation refuses it in one line, before any work
-    recipe.write_text((RECIPES / DEFAULT_RECIPE).read_text() + "comm: {hook: powersgd}\n")
+    recipe.write_text((SHIPPED_RECIPES / DEFAULT_RECIPE).read_text() + "comm: {hook: powersgd}\n")
     launch.write_text(ONE_PROCESS)
     model, out = save_chat_model(tmp_path / "tiny"), tmp_path / "run"
     argv = ["run", str(model), "--quick", "--recipe", str(recipe), "--launch", str(launch), "--out", str(out)]
