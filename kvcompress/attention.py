@@ -11,7 +11,7 @@ softmax runs over all columns, so the result equals softmax attention over the r
 The same pass records token significance (``TaleLayer.record_significance``) for the exact tokens and
 then lets the layer compress what left the window (a pass recorded for undo keeps its queries instead and
 observes at ``TaleLayer.crop``).  Tier scores and value sums of a decode step's few query rows come from
-``kvcompress.kernels`` (fused unpack-and-dot when numba is installed).  A prefill over exact tokens only observes significance
+``kvcompress.kernels`` (fused byte-table / unpack-and-dot kernels when numba is installed), written into one score buffer.  A prefill over exact tokens only observes significance
 from its last ``OBSERVED_QUERIES`` queries (SnapKV-style observation window) and runs the other queries
 through ``sdpa``: every prompt token outside the window is then judged by the same number of queries, as a
 decoded token is by the queries that arrive while it sits in the window, and prefill costs what sdpa costs.  Queries are processed in chunks so a long prefill
@@ -84,13 +84,16 @@ def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scalin
     for i in range(0, query.shape[-2], QUERY_CHUNK):
         rows = slice(i, i + QUERY_CHUNK)
         probs, _, exact_allowed, visible = _probs(layer, query[:, :, rows], allowed[:, :, rows], scaling, g)
-        layer.record_significance(probs[0], exact_allowed, visible, g)
+        layer.record_significance(probs[..., : exact_allowed.shape[-1]], exact_allowed, visible, g)
 
 
 def _probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int):
-    """Attention probabilities of a chunk of queries, split into exact columns and one block per stored tier.
+    """Attention probabilities of a chunk of queries over ``[exact | tier 0 | tier 1 | ...]`` columns.
 
-    Returns ``(probs, tiers, exact_allowed, visible)`` with the query heads of a KV head folded into rows.
+    One float32 buffer holds every column, so the tier kernels write their scores in place and one softmax
+    runs over it (no per-tier temporaries, no concatenation).  Returns ``(probs, tiers, exact_allowed,
+    visible)``: ``probs`` ``(b, h, g*q, n_exact + n_compressed)`` with the query heads of a KV head folded
+    into rows, ``tiers`` the stored tiers with the offset of their columns.
     """
     b, hq, q, d = query.shape
     h = hq // g
@@ -98,28 +101,31 @@ def _probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling
     allowed = allowed.unsqueeze(2).expand(b, 1, g, q, allowed.shape[-1]).reshape(b, 1, g * q, -1)
     visible = allowed.sum(-1, keepdim=True).clamp_min(1)
     exact_allowed = layer.exact_columns(allowed)
-    scores = [(qf @ layer.exact_k.float().transpose(-1, -2)).masked_fill(~exact_allowed, float("-inf"))]
+    n_exact = exact_allowed.shape[-1]
+    scores = qf.new_empty(b, h, g * q, n_exact + layer.n_compressed)
+    scores[..., :n_exact] = (qf @ layer.exact_k.float().transpose(-1, -2)).masked_fill(
+        ~exact_allowed, float("-inf")
+    )
 
-    tiers = [t for t in range(len(layer.policy.tiers)) if layer.tier_k[t] is not None]
-    if tiers:
+    tiers, offset = [], n_exact
+    stored = [t for t in range(len(layer.policy.tiers)) if layer.tier_k[t] is not None]
+    if stored:
         s, c = layer.n_sinks, layer.n_compressed
         comp_allowed = allowed[..., s : s + c]
         needs_mask = not bool(comp_allowed.all())
         q_basis = qf @ layer.key_map  # (b, h, g*q, d): queries in the key basis
-        for t in tiers:
-            tier_scores = kernels.tier_scores(q_basis[..., : layer.tier_k[t].rank], layer.tier_k[t])
+        for t in stored:
+            n = len(layer.tier_k[t])
+            kernels.tier_scores(q_basis, layer.tier_k[t], scores, offset)
             if needs_mask:
                 pos = layer.tier_positions(t).unsqueeze(2).expand(b, h, g * q, -1)
-                tier_scores = tier_scores.masked_fill(
-                    ~torch.gather(comp_allowed.expand(b, h, -1, -1), -1, pos), float("-inf")
-                )
-            scores.append(tier_scores)
+                hidden = ~torch.gather(comp_allowed.expand(b, h, -1, -1), -1, pos)
+                scores[..., offset : offset + n].masked_fill_(hidden, float("-inf"))
+            tiers.append((t, offset))
+            offset += n
 
-    sizes = [x.shape[-1] for x in scores]
-    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1).nan_to_num_(
-        0.0
-    )  # fully masked (padding) rows -> 0
-    return probs.split(sizes, dim=-1), tiers, exact_allowed, visible
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked (padding) rows -> 0
+    return probs, tiers, exact_allowed, visible
 
 
 def _attend_chunk(
@@ -128,14 +134,15 @@ def _attend_chunk(
     b, hq, q, _ = query.shape
     h = hq // g
     probs, tiers, exact_allowed, visible = _probs(layer, query, allowed, scaling, g)
+    exact_probs = probs[..., : exact_allowed.shape[-1]]
     if record:
-        layer.record_significance(probs[0], exact_allowed, visible, g)
+        layer.record_significance(exact_probs, exact_allowed, visible, g)
 
-    out = probs[0] @ layer.exact_v.float()
+    out = exact_probs @ layer.exact_v.float()
     if tiers:
         folded = out.new_zeros(b, h, g * q, layer.value_map.shape[-1])
-        for t, p in zip(tiers, probs[1:], strict=True):
-            folded[..., : layer.tier_v[t].rank] += kernels.tier_values(p, layer.tier_v[t])
+        for t, offset in tiers:
+            kernels.tier_values(probs, layer.tier_v[t], folded, offset)
         out = out + folded @ layer.value_map.transpose(-1, -2)
     return out.reshape(b, hq, q, -1)
 

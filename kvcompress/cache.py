@@ -329,9 +329,16 @@ class TaleLayer(CacheLayerMixin):
                 out += q.tensors()
         return out
 
-    def nbytes(self) -> int:
-        """Bytes of KV state this layer holds (storages, so views of larger buffers count in full)."""
-        return sum(t.untyped_storage().nbytes() for t in self.held_tensors())
+    def nbytes(self, exact_element_bytes: int | None = None) -> int:
+        """Bytes of KV state this layer holds (storages, so views of larger buffers count in full).
+
+        ``exact_element_bytes`` counts the exact K/V at that many bytes an element instead of their dtype's
+        (2: what a bf16/fp16 model holds, when measuring with a float32 model)."""
+        total = sum(t.untyped_storage().nbytes() for t in self.held_tensors())
+        if exact_element_bytes is not None and self.is_initialized:
+            for t in (self.exact_k, self.exact_v):
+                total += t.numel() * exact_element_bytes - t.untyped_storage().nbytes()
+        return total
 
 
 @dataclass
@@ -374,9 +381,9 @@ class TaleCache(Cache):
         ]
         super().__init__(layers=layers)
 
-    def nbytes(self) -> int:
-        """KV bytes held by all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+    def nbytes(self, exact_element_bytes: int | None = None) -> int:
+        """KV bytes held by all layers (``exact_element_bytes``: see ``TaleLayer.nbytes``)."""
+        return sum(layer.nbytes(exact_element_bytes) for layer in self.layers)
 
     def stats(self) -> dict:
         """Token counts of the first layer that holds KV: exact and per tier."""

@@ -74,10 +74,13 @@ def parse_tiers(spec: str) -> list[Tier]:
     return tiers
 
 
-def kv_bytes(cache) -> int:
-    """Bytes of every tensor a cache's layers hold (storages, so views count in full); factors excluded."""
+def kv_bytes(cache, exact_element_bytes: int | None = None) -> int:
+    """Bytes of every tensor a cache's layers hold (storages, so views count in full); factors excluded.
+
+    ``exact_element_bytes`` (TALE only): count its exact K/V at that size, e.g. 2 to report the memory of a
+    16-bit model from a float32 run (the compressed tiers do not depend on the model dtype)."""
     if isinstance(cache, TaleCache):
-        return cache.nbytes()
+        return cache.nbytes(exact_element_bytes)
     storages = {}
     for layer in cache.layers:
         for value in vars(layer).values():
@@ -112,17 +115,25 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> d
 
 
 @torch.no_grad()
-def decode_step_seconds(model, ids: torch.Tensor, cache, steps: int) -> list[float]:
-    """Prefill ``ids`` then time ``steps`` single-token greedy decode steps (seconds each)."""
-    out = model(ids, cache=cache, logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
+def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Prefill ``ids`` into ``cache``; returns the greedy next token ``(b, 1)`` (the first decode input)."""
+    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+
+@torch.no_grad()
+def decode_step_seconds(model, token: torch.Tensor, cache, steps: int) -> tuple[list[float], torch.Tensor]:
+    """Time ``steps`` whole-model greedy decode steps from ``token`` on a prefilled ``cache``.
+
+    Returns the seconds of each step and the next token, so timed rounds can continue the same cache
+    (a long prefill is paid once, and every round decodes from where the last one stopped).
+    """
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        out = model(token, cache=cache)
+        logits = model(token, cache=cache).logits
         times.append(time.perf_counter() - start)
-        token = out.logits[:, -1:].argmax(-1)
-    return times
+        token = logits[:, -1:].argmax(-1)
+    return times, token
 
 
 @torch.no_grad()

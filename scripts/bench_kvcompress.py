@@ -26,6 +26,7 @@ import time
 import torch
 
 from kvcompress import kernels
+from kvcompress.attention import enable_tale
 from kvcompress.calibrate import accumulate, chat_sequences
 from kvcompress.evaluate import (
     attention_step_seconds,
@@ -36,6 +37,7 @@ from kvcompress.evaluate import (
     fp16_kv_bytes,
     kv_bytes,
     make_method,
+    prefill,
     weight_svd_bases,
 )
 from kvcompress.factors import load_factors
@@ -57,7 +59,7 @@ def build_parser() -> ArgumentParser:
         "--latency-contexts", type=int_list, default=[2048, 4096, 8192], help="comma list; empty to skip"
     )
     p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
-    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--decode-steps", type=int, default=32, help="timed steps per round (32: one block)")
     p.add_argument(
         "--attention-contexts",
         type=int_list,
@@ -98,7 +100,7 @@ def quality(model, tok, factors, args) -> dict[str, dict]:
             ref = logits if ref is None else ref
             for k, v in compare(logits, ref, targets).items():
                 totals[m][k] += v
-            totals[m]["bytes"].append(kv_bytes(cache))
+            totals[m]["bytes"].append(kv_bytes(cache, exact_element_bytes=2))
             totals[m]["fp16"].append(fp16_kv_bytes(model.config, ids.shape[1] - 1))
         print(f"  quality: sequence {i + 1}/{len(seqs)} done", file=sys.stderr, flush=True)
     base_ppl = torch.tensor(totals[methods[0]]["nll"] / totals[methods[0]]["n"]).exp().item()
@@ -117,49 +119,84 @@ def quality(model, tok, factors, args) -> dict[str, dict]:
     return rows
 
 
-def interleaved(model, factors, args, label: str, contexts, seconds) -> dict[str, dict]:
-    """Median of ``seconds(cache, ctx, repeat)`` per method and context, every repeat running every method once
-    (interleaved A/B), with the ratio to the first method of the same run."""
+def interleaved(methods: list[str], contexts, start, seconds, repeats: int, label: str) -> dict[str, dict]:
+    """Per method and context, the median over ``repeats`` rounds of the mean of ``seconds(state)``, every
+    round running every method once (interleaved A/B), with the ratio to the first method of the same run.
+
+    ``start(method, ctx)`` makes a method's state once per context (a prefilled cache); the rounds continue it.
+    """
     out: dict[str, dict] = {}
-    methods = args.latency_methods.split(",")
     for ctx in contexts:
-        steps = {m: [] for m in methods}
-        for r in range(args.repeats):
+        states = {m: start(m, ctx) for m in methods}
+        rounds = {m: [] for m in methods}
+        for r in range(repeats):
             for m in methods:
-                cache = make_method(m, model, factors, args.sinks, args.window)()
-                steps[m].append(statistics.median(seconds(cache, ctx, r)))
+                rounds[m].append(statistics.mean(seconds(states[m])))
                 print(
-                    f"  {label}: ctx {ctx} repeat {r + 1} {m} {steps[m][-1] * 1e3:.3f} ms",
+                    f"  {label}: ctx {ctx} repeat {r + 1} {m} {rounds[m][-1] * 1e3:.3f} ms",
                     file=sys.stderr,
                     flush=True,
                 )
-        base = statistics.median(steps[methods[0]])
+        del states
+        base = statistics.median(rounds[methods[0]])
         for m in methods:
-            ms = statistics.median(steps[m])
-            out.setdefault(m, {})[str(ctx)] = {"ms": 1e3 * ms, "ratio_vs_" + methods[0]: ms / base}
+            ms = statistics.median(rounds[m])
+            out.setdefault(m, {})[str(ctx)] = {
+                "ms": 1e3 * ms,
+                "ratio_vs_" + methods[0]: ms / base,
+                "rounds_ms": [1e3 * x for x in rounds[m]],
+            }
     return out
 
 
 def latency(model, tok, factors, args) -> dict[str, dict]:
-    """Whole-model decode steps after prefilling held-out text of each context."""
+    """Whole-model decode steps (the model's own forward of one token) after prefilling held-out text.
 
-    texts = {
-        ctx: next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000)) for ctx in args.latency_contexts
-    }
+    Each method's cache is prefilled once per context; every round then times ``--decode-steps`` steps on
+    it (32 = one compression block, so TALE's compressions are in the mean in their real proportion).
+    """
+    methods = args.latency_methods.split(",")
+    factories = {m: make_method(m, model, factors, args.sinks, args.window) for m in methods}
 
-    def seconds(cache, ctx, _repeat):
-        return decode_step_seconds(model, texts[ctx], cache, args.decode_steps)
+    def start(m, ctx):
+        select_attention(model, m)
+        ids = next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000))
+        cache = factories[m]()
+        token = prefill(model, ids, cache)
+        _, token = decode_step_seconds(model, token, cache, 2)  # warm-up (kernel loading), not counted
+        return {"method": m, "cache": cache, "token": token}
 
-    return interleaved(model, factors, args, "latency", args.latency_contexts, seconds)
+    def seconds(state):
+        select_attention(model, state["method"])
+        times, state["token"] = decode_step_seconds(model, state["token"], state["cache"], args.decode_steps)
+        return times
+
+    return interleaved(methods, args.latency_contexts, start, seconds, args.repeats, "latency")
 
 
 def attention_latency(model, factors, args) -> dict[str, dict]:
     """One layer's decode-step attention (cache update included) per method and context."""
+    methods = args.latency_methods.split(",")
+    factories = {m: make_method(m, model, factors, args.sinks, args.window) for m in methods}
+    seeds = iter(range(1 << 30))
+    for m in methods:  # warm-up (kernel loading), not counted
+        attention_step_seconds(model, factories[m](), min(args.attention_contexts), 2, 0)
 
-    def seconds(cache, ctx, repeat):
-        return attention_step_seconds(model, cache, ctx, args.attention_steps, repeat)
+    def seconds(state):
+        m, ctx = state
+        return attention_step_seconds(model, factories[m](), ctx, args.attention_steps, next(seeds))
 
-    return interleaved(model, factors, args, "attention", args.attention_contexts, seconds)
+    return interleaved(
+        methods, args.attention_contexts, lambda m, ctx: (m, ctx), seconds, args.repeats, "attention"
+    )
+
+
+def select_attention(model, method: str) -> None:
+    """The attention ``make_method`` sets for ``method`` (sdpa for transformers' caches, TALE otherwise)."""
+    if method in ("full", "hf-fp8"):
+        model.set_attn_implementation("sdpa")
+    else:
+        enable_tale(model)
 
 
 def print_latency(title: str, lat: dict[str, dict], digits: int) -> None:

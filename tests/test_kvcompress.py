@@ -307,18 +307,33 @@ def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2, sharegpt):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group_size", [None, 8])
-def test_fused_kernels_equal_dequantize_then_matmul(bits, group_size):
+@pytest.mark.parametrize("table_tokens", [0, 10**6])
+def test_fused_kernels_equal_dequantize_then_matmul(bits, group_size, table_tokens, monkeypatch):
+    """The kernels (byte tables or direct unpacking) write the same scores / add the same value sums as
+    dequantize + matmul, into slices of the caller's buffers (other columns untouched), from a
+    spare-capacity view."""
     from kvcompress import kernels
+    from kvcompress.quant import append
 
     pytest.importorskip("numba")
+    monkeypatch.setattr(kernels, "TABLE_TOKENS", table_tokens)
     torch.manual_seed(0)
-    tier = quantize(torch.randn(2, 3, 37, 16) * torch.linspace(0.1, 4, 16), bits, group_size)
-    q, p = torch.randn(2, 3, 5, 16), torch.softmax(torch.randn(2, 3, 5, 37), -1)
+    x = torch.randn(2, 3, 37, 16) * torch.linspace(0.1, 4, 16)
+    tier = append(quantize(x[..., :30, :], bits, group_size), quantize(x[..., 30:, :], bits, group_size), 8)
+    assert not tier.scale.is_contiguous()  # a prefix view of a larger buffer, as the cache holds them
+    assert kernels._fused(tier, 5)
+    q, p = torch.randn(2, 3, 5, 24), torch.softmax(torch.randn(2, 3, 5, 40), -1)
     coeffs = dequantize(tier)
+    scores = torch.full((2, 3, 5, 41), 7.0)
+    kernels.tier_scores(q, tier, scores, 3)
     torch.testing.assert_close(
-        kernels.tier_scores(q, tier), q @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
+        scores[..., 3:40], q[..., :16] @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
     )
-    torch.testing.assert_close(kernels.tier_values(p, tier), p @ coeffs, atol=1e-5, rtol=1e-4)
+    assert bool((scores[..., :3] == 7).all() and (scores[..., 40:] == 7).all())
+    values = torch.ones(2, 3, 5, 24)
+    kernels.tier_values(p, tier, values, 3)
+    torch.testing.assert_close(values[..., :16], 1 + p[..., 3:] @ coeffs, atol=1e-5, rtol=1e-4)
+    assert bool((values[..., 16:] == 1).all())
 
 
 def test_append_writes_into_spare_capacity():
