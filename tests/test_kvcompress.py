@@ -125,8 +125,14 @@ def test_generate_with_full_rank_cache_matches_plain_generate(model_and_factors)
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("table_tokens", [0, 10**6])  # byte tables, direct unpacking
 @torch.no_grad()
-def test_reconstruction_free_attention_equals_attention_over_reconstructed_kv(model_and_factors):
+def test_reconstruction_free_attention_equals_attention_over_reconstructed_kv(
+    model_and_factors, table_tokens, monkeypatch
+):
+    from kvcompress import kernels
+
+    monkeypatch.setattr(kernels, "TABLE_TOKENS", table_tokens)
     model, factors = model_and_factors
     cache = TaleCache(factors, tiered_policy(), model.config, model=model)
     model(torch.randint(0, 96, (1, 64)), cache=cache)
