@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--rates", default="inf", help="comma separated requests/s; inf = a burst")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--kv-cache-mib", type=int, default=96, help="small, so that requests queue")
+    p.add_argument("--kv-cache-mib", type=int, default=160, help="small, so that requests queue")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="float32", help="float32 (this CPU has no bf16 units)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     for path in (args.model, args.ranker, args.dataset):

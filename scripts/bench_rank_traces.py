@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("prompt_len", 0) <= args.max_prompt_tokens][: args.limit]
     llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
-                   kv_cache_memory_bytes=1 << 30, dtype="bfloat16")  # fmt: skip
+                   kv_cache_memory_bytes=1 << 30, dtype="float32")  # fmt: skip
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                             seed=args.seed)  # fmt: skip
     outputs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in rows], params, use_tqdm=True)

@@ -38,7 +38,7 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     port = free_port()
     cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2), "--enforce-eager",
-           "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "1024",
+           "--dtype", "float32", "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "1024",
            "--scheduling-policy", "priority", "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
