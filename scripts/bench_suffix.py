@@ -1,15 +1,21 @@
 """Benchmark SuffixDecoding against plain greedy and transformers' prompt-lookup decoding (batch 1, CPU).
 
 Workloads: ``agentic-refine`` (the model revises its own previous answer, round after round: the case
-SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  ``streams`` times the cache alone
-(the pure-Python and the numba-compiled trees) on synthetic repetitive token streams (no model), side by
-side with the C++ reference (arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository;
-``--reference DIR`` or SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is
-skipped when absent): all caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one), in interleaved repeats,
-medians reported, and bytes per cached token from the global tree.  Every request runs every method,
+SuffixDecoding targets) and ``sharegpt`` (held-out ShareGPT first turns).  Every request runs every method,
 in an order rotated per request (interleaved A/B), and all methods must produce the same greedy tokens.
 The suffix caches persist across requests, so the global tree holds earlier responses, as in serving.
 
+``streams`` times the cache alone (no model) on three kinds of synthetic copy-heavy token streams (200- and
+2,000-token prompts of a repeated motif, and ``agentic``: tasks refined round after round, each prompt holding the
+earlier answers): the pure-Python tree, the numba-compiled one (when numba is installed) and the C++ reference
+(arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or
+SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is skipped, saying so, when
+absent).  All caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one),
+interleaved request by request, in repeats with fresh caches; medians of the per-operation times (setup: an empty
+request's ``start_request``; prompt: ``start_request`` per prompt token, its tree's allocation included; append
+per token, both trees; ``speculate()`` per call), ratios to the reference, bytes per cached token of the global tree.
+
+    SUFFIX_REFERENCE_PATH=SITE flock /tmp/bench.lock python scripts/bench_suffix.py . --workload streams --out s.json
     flock /tmp/bench.lock python scripts/bench_suffix.py MODEL_DIR --workload both --out bench.json
 """
 
@@ -78,27 +84,62 @@ def sharegpt_prompts(tok, n: int, skip: int) -> list[list[int]]:
     return prompts
 
 
-def synthetic_streams(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """(prompt, response) pairs: a 40-token motif repeated, 5% of tokens replaced (copy-heavy, as agentic loops)."""
+def _noisy(rng: random.Random, tokens: list[int]) -> list[int]:
+    """``tokens`` with 5% of them replaced by random ones."""
+    return [t if rng.random() > 0.05 else rng.randrange(32000) for t in tokens]
+
+
+def synthetic_streams(n: int, prompt_len: int = 200, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) pairs: a 40-token motif repeated, 5% of tokens replaced (copy-heavy)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         motif = [rng.randrange(32000) for _ in range(40)]
-        prompt = [t if rng.random() > 0.05 else rng.randrange(32000) for t in motif * 5]
-        response = [t if rng.random() > 0.05 else rng.randrange(32000) for t in (motif * 8)[:300]]
-        out.append((prompt, response))
+        prompt = _noisy(rng, (motif * (prompt_len // 40 + 1))[:prompt_len])
+        out.append((prompt, _noisy(rng, (motif * 8)[:300])))
     return out
 
 
-ACC_KEYS = ("t_prompt", "t_spec", "t_app", "steps", "appended", "prompt_tokens")
+def agentic_streams(n: int, rounds: int = 4, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``n`` requests of tasks refined over ``rounds``: a round's prompt is the task, then each earlier answer
+    and a fixed revise instruction; its response is the last answer with 5% of tokens changed (round 0's: 300
+    fresh tokens), so it copies from its own prompt and from the global tree (agentic-refine without a model)."""
+    rng = random.Random(seed)
+    revise = [rng.randrange(32000) for _ in range(20)]
+    out: list[tuple[list[int], list[int]]] = []
+    while len(out) < n:
+        prompt = [rng.randrange(32000) for _ in range(60)]
+        answer = [rng.randrange(32000) for _ in range(300)]
+        for _ in range(min(rounds, n - len(out))):
+            out.append((prompt, answer))
+            prompt, answer = prompt + answer + revise, _noisy(rng, answer)
+    return out
+
+
+STREAM_KINDS = {
+    "prompt-200": lambda n: synthetic_streams(n, 200),
+    "prompt-2000": lambda n: synthetic_streams(n, 2000),
+    "agentic": agentic_streams,
+}
+ACC_KEYS = ("t_setup", "t_prompt", "t_spec", "t_app", "requests", "steps", "appended", "prompt_tokens")
+SETUP_ID = -1  # request id of the empty request that times the per-request setup
 
 
 def drive_request(cache, r: int, prompt, response, reference: bool, acc: dict) -> None:
-    """Replay one request through one cache, adding per-operation times and counts to ``acc``."""
+    """Replay one request through one cache, adding per-operation times and counts to ``acc``; an empty
+    request before it times the per-request setup (tree allocation and bookkeeping, no prompt)."""
     cfg = SpecConfig()
+    stop = cache.stop_request if reference else cache.finish_request
+    t0 = time.perf_counter()
+    cache.start_request(SETUP_ID, [])
+    acc["t_setup"] += time.perf_counter() - t0
+    stop(SETUP_ID)
+    if reference:  # its cache keeps finished requests' ids (ours forgets them): let the next setup reuse it
+        cache.evict_cached_response(SETUP_ID)
     t0 = time.perf_counter()
     cache.start_request(r, prompt)
     acc["t_prompt"] += time.perf_counter() - t0
+    acc["requests"] += 1
     acc["prompt_tokens"] += len(prompt)
     ctx, i = list(prompt), 0
     while i < len(response):
@@ -120,16 +161,17 @@ def drive_request(cache, r: int, prompt, response, reference: bool, acc: dict) -
         acc["appended"] += len(new)
         ctx += new
         i += len(new)
-    cache.stop_request(r) if reference else cache.finish_request(r)
+    stop(r)
 
 
 def summary(acc: dict) -> dict:
     return {
         "steps": acc["steps"],
         "tokens_per_step": acc["appended"] / acc["steps"],
-        "us_per_speculate": 1e6 * acc["t_spec"] / acc["steps"],
-        "us_per_appended_token": 1e6 * acc["t_app"] / acc["appended"],
+        "us_per_setup": 1e6 * acc["t_setup"] / acc["requests"],
         "us_per_prompt_token": 1e6 * acc["t_prompt"] / acc["prompt_tokens"],
+        "us_per_appended_token": 1e6 * acc["t_app"] / acc["appended"],
+        "us_per_speculate": 1e6 * acc["t_spec"] / acc["steps"],
     }
 
 
@@ -149,31 +191,42 @@ def reference_cache_class(path: str | None):
 
 
 STREAM_CACHES = ("python", "compiled", "reference")
+TIMED = ("us_per_setup", "us_per_prompt_token", "us_per_appended_token", "us_per_speculate")
 
 
-def measure_streams(args) -> dict:
-    """Cache-only timings on synthetic streams: the pure-Python tree, the numba-compiled one (when numba is
-    installed) and the reference, interleaved request by request (order rotated); medians of the repeats."""
+def stream_caches(args) -> dict:
+    """Makers of the caches to time, by name: the pure-Python tree, the compiled one (when numba is installed,
+    its kernels loaded here, outside the timing) and the reference (when built); says which are left out."""
     from eval.serving.suffix.cache import compiled_available
 
-    streams = synthetic_streams(args.streams)
-    ref_cls = reference_cache_class(args.reference)
     makers = {"python": lambda: SuffixCache(SpecConfig(), compiled=False)}
     if compiled_available():
         makers["compiled"] = lambda: SuffixCache(SpecConfig(), compiled=True)
-        warm = dict.fromkeys(ACC_KEYS, 0)
-        drive_request(
-            makers["compiled"](), 0, *streams[0], False, warm
-        )  # load the kernels outside the timing
+        drive_request(makers["compiled"](), 0, *synthetic_streams(1)[0], False, dict.fromkeys(ACC_KEYS, 0))
+    else:
+        print(
+            "numba is not installed: only the pure-Python tree runs (pip install '.[fast]')", file=sys.stderr
+        )
+    ref_cls = reference_cache_class(args.reference)
     if ref_cls is not None:
         makers["reference"] = lambda: ref_cls(SpecConfig().max_depth, SpecConfig().max_cached_requests)
+    else:
+        print(
+            "no C++ reference (--reference / SUFFIX_REFERENCE_PATH): its column is skipped", file=sys.stderr
+        )
+    return {name: make for name, make in makers.items() if name in args.caches}
+
+
+def measure_stream_kind(makers: dict, streams, repeats: int) -> dict:
+    """One kind of stream through every cache, interleaved request by request (order rotated), ``repeats``
+    times with fresh caches; medians, bytes per cached token of the global tree, ratios to the reference."""
     runs: dict[str, list[dict]] = {name: [] for name in makers}
     memory = {}
     names = list(makers)
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         caches = {name: make() for name, make in makers.items()}
         accs = {name: dict.fromkeys(ACC_KEYS, 0) for name in names}
-        for r, (prompt, response) in enumerate(streams):  # interleaved per request, order rotated
+        for r, (prompt, response) in enumerate(streams):
             k = (r + rep) % len(names)
             for name in names[k:] + names[:k]:
                 drive_request(caches[name], r, prompt, response, name == "reference", accs[name])
@@ -183,18 +236,28 @@ def measure_streams(args) -> dict:
                 memory[name] = cache._global_tree.estimate_memory()
             else:
                 memory[name] = cache.global_tree.nbytes()
-                n_tokens = sum(map(len, cache.global_tree.seqs.values()))
+    n_tokens = sum(len(response) for _, response in streams)
     out = {}
     for name, rows in runs.items():
         out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out[name]["bytes_per_cached_token"] = memory[name] / n_tokens
     if "reference" in out:
-        keys = ("us_per_speculate", "us_per_appended_token", "us_per_prompt_token")
         out["ratio_vs_reference"] = {
-            name: {k: out[name][k] / out["reference"][k] for k in keys} for name in out if name != "reference"
+            name: {k: out[name][k] / out["reference"][k] for k in TIMED}
+            for name in runs
+            if name != "reference"
         }
-        out["same_step_count"] = len({out[name]["steps"] for name in runs}) == 1
+    out["same_step_count"] = len({out[name]["steps"] for name in runs}) == 1
     return out
+
+
+def measure_streams(args) -> dict:
+    """Cache-only timings on each kind of synthetic stream (:data:`STREAM_KINDS`), ``--streams`` requests each."""
+    makers = stream_caches(args)
+    return {
+        kind: measure_stream_kind(makers, STREAM_KINDS[kind](args.streams), args.repeats)
+        for kind in args.kinds
+    }
 
 
 def measure(args) -> dict:
@@ -289,19 +352,25 @@ def measure(args) -> dict:
 
 
 def print_streams(res: dict) -> None:
-    keys = ["us_per_speculate", "us_per_appended_token", "us_per_prompt_token", "bytes_per_cached_token"]
+    """Per kind of stream: one row per cache, then each cache's ratios to the reference (the target is <= 1.5x)."""
     print(
-        f"\n{'cache':10} {'steps':>6} {'tok/step':>8} {'spec us':>9} {'append us':>9} {'prompt us':>9} {'B/token':>9}"
+        f"\n{'stream':12} {'cache':10} {'steps':>6} {'tok/step':>8} {'setup us':>9} {'prompt us':>9} "
+        f"{'append us':>9} {'spec us':>9} {'B/token':>8}"
     )
-    for name in STREAM_CACHES:
-        if name in res:
-            r = res[name]
-            print(
-                f"{name:10} {r['steps']:6d} {r['tokens_per_step']:8.2f} "
-                + " ".join(f"{r[k]:9.2f}" for k in keys)
-            )
-    for name, ratios in res.get("ratio_vs_reference", {}).items():
-        print(f"{name} / reference:", " ".join(f"{k}={v:.2f}x" for k, v in ratios.items()))
+    for kind, r in res.items():
+        for name in STREAM_CACHES:
+            if name in r:
+                row = r[name]
+                print(
+                    f"{kind:12} {name:10} {row['steps']:6d} {row['tokens_per_step']:8.2f} "
+                    + " ".join(f"{row[k]:9.2f}" for k in TIMED)
+                    + f" {row['bytes_per_cached_token']:8.0f}"
+                )
+        for name, ratios in r.get("ratio_vs_reference", {}).items():
+            cells = " ".join(f"{ratios[k]:8.2f}x" for k in TIMED)
+            print(f"{kind:12} {name + '/ref':10} {'':6} {'':8} {cells}")
+        if not r["same_step_count"]:
+            print(f"{kind:12} the caches took different numbers of steps: their drafts differ")
 
 
 def print_table(results: dict) -> None:
@@ -338,7 +407,17 @@ def build_parser() -> ArgumentParser:
         default=os.environ.get("SUFFIX_REFERENCE_PATH"),
         help="folder holding the built arctic_inference/ package (default: $SUFFIX_REFERENCE_PATH)",
     )
-    p.add_argument("--streams", type=int, default=50, help="synthetic requests for the streams workload")
+    p.add_argument("--streams", type=int, default=50, help="synthetic requests per kind of stream")
+    p.add_argument(
+        "--kinds", nargs="+", choices=list(STREAM_KINDS), default=list(STREAM_KINDS), help="kinds of stream"
+    )
+    p.add_argument(
+        "--caches",
+        nargs="+",
+        choices=STREAM_CACHES,
+        default=list(STREAM_CACHES),
+        help="caches to time on streams",
+    )
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the streams workload")
     p.add_argument(
         "--cache",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 from test_suffix_artifact import word_tokenizer
 from test_suffix_tree import brute_counts, expand
@@ -15,6 +16,7 @@ from eval.serving.suffix.cache import SpecConfig, SuffixCache
 from eval.serving.suffix.tree import SuffixTree
 
 pytest.importorskip("numba", reason="the compiled tree needs numba (the `fast` extra)")
+from eval.serving.suffix import fast  # noqa: E402
 from eval.serving.suffix.fast import ArrayTree  # noqa: E402
 
 
@@ -179,3 +181,40 @@ def test_closed_sequence_and_bad_depth_are_refused():
         tree.append(0, 3)
     with pytest.raises(ValueError, match="max_depth"):
         ArrayTree(0)
+
+
+def node_table(tree: ArrayTree) -> np.ndarray:
+    """The rows in use without the endpoint column: equal when two trees made the same updates in the same order."""
+    return tree.nodes[: tree.meta[fast.M_NHWM], : fast.EPH]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_request_tree_has_the_full_trees_nodes_and_drafts_and_is_reusable(seed):
+    """A request's tree (no endpoints), fresh or cleared after an earlier request, makes the same node updates
+    as a tree with endpoints and gives the object tree's drafts."""
+    rng = random.Random(seed)
+    depth, vocab = rng.randint(1, 12), rng.randint(1, 6)
+    reused = ArrayTree.for_request(depth)
+    reused.extend(0, [rng.randrange(vocab) for _ in range(rng.randint(0, 300))])
+    reused.clear()
+    for _ in range(2):  # two requests through the same reused tree
+        full, py, fresh = ArrayTree(depth), SuffixTree(depth), ArrayTree.for_request(depth)
+        seq: list[int] = []
+        for _ in range(rng.randint(1, 12)):
+            new = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+            seq += new
+            for t in (full, py, fresh, reused):
+                t.extend(0, new)
+            assert np.array_equal(node_table(full), node_table(fresh))
+            assert np.array_equal(node_table(full), node_table(reused))
+            ctx = seq[-rng.randint(1, depth + 2) :]
+            kw = dict(
+                max_spec=rng.randint(1, 10), min_token_prob=rng.choice([0.0, 0.1]), tree=rng.random() < 0.5
+            )
+            for t in (fresh, reused):
+                same_draft(py.speculate_open(0, ctx, False, **kw), t.speculate_open(0, ctx, False, **kw))
+        reused.clear()
+    with pytest.raises(ValueError, match="endpoints"):
+        fresh.remove(0)
+    with pytest.raises(ValueError, match="endpoints"):
+        tree_to_arrays(fresh, [0])

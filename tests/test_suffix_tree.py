@@ -181,3 +181,17 @@ def test_closed_sequence_and_bad_depth_are_refused():
         SuffixTree(0)
     with pytest.raises(ValueError, match="max_spec"):
         SpecConfig(max_spec=0)
+
+
+def test_pure_python_fallback_says_which_tree_runs(monkeypatch, caplog):
+    """Without numba the cache runs the pure-Python tree and says so once (a warning naming the fix)."""
+    from eval.serving.suffix import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "compiled_available", lambda: False)
+    cache_module._say_pure_python.cache_clear()
+    with caplog.at_level("WARNING", logger=cache_module.__name__):
+        first, second = SuffixCache(SpecConfig(max_depth=4)), SuffixCache(SpecConfig(max_depth=4))
+    assert type(first.global_tree) is SuffixTree and type(second.global_tree) is SuffixTree
+    said = [r.getMessage() for r in caplog.records if "pure-Python" in r.getMessage()]
+    assert len(said) == 1 and "[fast]" in said[0]
+    cache_module._say_pure_python.cache_clear()

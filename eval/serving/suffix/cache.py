@@ -8,7 +8,9 @@ both and the one with the higher score (expected accepted tokens) wins, as in th
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -17,6 +19,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .tree import Draft, SuffixTree
+
+log = logging.getLogger(__name__)
+
+# finished requests' trees kept for reuse: at most this many, of at most this many tokens each (a compiled tree
+# takes about 250 bytes per token)
+SPARE_TREES, SPARE_TREE_TOKENS = 8, 8192
 
 
 class SpecConfig(BaseModel):
@@ -52,10 +60,21 @@ def compiled_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+@functools.cache
+def _say_pure_python() -> None:
+    log.warning(
+        "suffix cache: numba is not installed, so the pure-Python SuffixTree runs (3-15x slower per operation "
+        "than the compiled tree); to resolve, pip install 'swiftkv-toolkit[fast]'"
+    )
+
+
 def tree_class(compiled: bool | None = None) -> type:
-    """The numba :class:`.fast.ArrayTree` (``compiled``; None: when numba is installed) or :class:`SuffixTree`."""
+    """The numba :class:`.fast.ArrayTree` (``compiled``; None: when numba is installed, else the pure-Python
+    :class:`SuffixTree`, said once per process as a warning) or :class:`SuffixTree`."""
     if compiled is None:
         compiled = compiled_available()
+        if not compiled:
+            _say_pure_python()
     if not compiled:
         return SuffixTree
     from .fast import ArrayTree
@@ -91,6 +110,7 @@ class SuffixCache:
         self._ids = itertools.count(max(self.global_tree.seqs, default=-1) + 1)
         self._requests: dict[int, tuple[SuffixTree, int | None]] = {}
         self._live: dict[int, int] = {}  # global sequence id -> live request id
+        self._spare: list[SuffixTree] = []  # finished requests' trees, to reuse
 
     # ---- global tree ----------------------------------------------------------------------------------
 
@@ -122,7 +142,13 @@ class SuffixCache:
     # ---- requests -------------------------------------------------------------------------------------
 
     def start_request(self, request_id: int, prompt: Sequence[int]) -> None:
-        tree = self._tree_class(self.config.max_depth)
+        """Open a request: its own tree over ``prompt`` (a finished request's, cleared, when one is spare) and a
+        slot for its response in the global tree."""
+        if self._spare:
+            tree = self._spare.pop()
+            tree.clear()
+        else:
+            tree = self._tree_class.for_request(self.config.max_depth)
         tree.extend(0, prompt)
         seq_id = self._new_response()
         self._requests[request_id] = (tree, seq_id)
@@ -132,13 +158,16 @@ class SuffixCache:
     def append(self, request_id: int, tokens: Sequence[int]) -> None:
         """Record newly generated tokens of a live request (in its tree and in the global tree)."""
         tree, seq_id = self._requests[request_id]
-        tree.extend(0, tokens)
+        new = array("i", tokens)  # converted once for both trees
+        tree.extend(0, new)
         if seq_id is not None:
-            self.global_tree.extend(seq_id, tokens)
+            self.global_tree.extend(seq_id, new)
 
     def finish_request(self, request_id: int) -> None:
-        """Drop the request's tree; its response stays in the global tree."""
-        _, seq_id = self._requests.pop(request_id)
+        """Drop the request's tree (kept for reuse if small); its response stays in the global tree."""
+        tree, seq_id = self._requests.pop(request_id)
+        if len(self._spare) < SPARE_TREES and tree.root_count <= SPARE_TREE_TOKENS:
+            self._spare.append(tree)
         if seq_id is not None:
             self._live.pop(seq_id)
             self.global_tree.close(seq_id)

@@ -8,8 +8,9 @@ order and ties), same float32 arithmetic: drafts are identical to :class:`.tree.
 
 Layout: node fields are the columns of one int32 table (``NODE_FIELDS``); a node's children are found in
 an open-addressing hash table keyed by (parent, token), its suffix endpoints in a linked list of records
-found by (node, sequence slot); equal-count sibling groups are rows of a group table, reference-counted
-by their members.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
+(found by (node, sequence slot) in a second hash table when a node has two or more); equal-count sibling
+groups are rows of a group table, reference-counted by their members.  A request's tree (``for_request``)
+keeps no endpoints (only removal and artifacts read them) and is cleared and reused by the cache.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
 tokens live in a segment of one token pool (moved to the end, doubled, when it outgrows its segment);
 removed and moved-away segments are reclaimed by compaction.  Kernels never grow a table: appending stops
 before a token that might not fit (one token adds at most max_depth + 1 rows anywhere), the Python side
@@ -39,8 +40,9 @@ GHEAD, GNEXT, GPREV, GSIZE = range(4)
 ENODE, ESEQ, EEND, ENEXT, EPREV = range(5)
 # sequence table columns (int64)
 SSTART, SLEN, SCAP, SROW = range(4)
-# meta counters
-M_NFREE, M_NHWM, M_GFREE, M_GHWM, M_EFREE, M_EHWM, M_CLIVE, M_ELIVE = range(8)
+# meta counters and flags (M_ENDPOINTS: 1 if the tree keeps suffix endpoints, which only removal and artifacts
+# read: a request's tree, never removed nor saved, skips them and does a third of the hash-table work per step)
+M_NFREE, M_NHWM, M_GFREE, M_GHWM, M_EFREE, M_EHWM, M_CLIVE, M_ELIVE, M_ENDPOINTS = range(9)
 EMPTY = -1
 MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashing)
 
@@ -169,18 +171,42 @@ def gset(nodes, groups, meta, node, g):
 
 
 # ---- endpoints (node, sequence slot) -> end ------------------------------------------------------------
+# A node's endpoint records are a linked list from its EPH column.  Most nodes hold at most one (the suffix
+# passing through), so the hash table (node, slot) -> record holds only the records of nodes with two or more:
+# moving a suffix's endpoint from a node to its child, an append's usual step, touches no hash table.
 
 
 @jit
-def ep_get(eps, ekeys, evals, node, slot):
-    r = h_get(ekeys, evals, ckey(node, slot))
+def ep_find(nodes, eps, ekeys, evals, node, slot):
+    """The record of (node, slot), or -1."""
+    r = nodes[node, EPH]
+    if r < 0 or eps[r, ENEXT] < 0:  # none or one record: not in the hash table
+        return r if r >= 0 and eps[r, ESEQ] == slot else -1
+    return h_get(ekeys, evals, ckey(node, slot))
+
+
+@jit
+def ep_get(nodes, eps, ekeys, evals, node, slot):
+    r = ep_find(nodes, eps, ekeys, evals, node, slot)
     return -1 if r < 0 else eps[r, EEND]
 
 
 @jit
+def _ep_hash(eps, ekeys, evals, meta, r):
+    meta[M_ELIVE] += h_put(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]), r)
+
+
+@jit
+def _ep_unhash(eps, ekeys, evals, meta, r):
+    meta[M_ELIVE] -= h_del(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]))
+
+
+@jit
 def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
-    key = ckey(node, slot)
-    r = h_get(ekeys, evals, key)
+    """Record that a suffix of ``slot`` ends at ``node`` at index ``end`` (no-op in a tree without endpoints)."""
+    if not meta[M_ENDPOINTS]:
+        return
+    r = ep_find(nodes, eps, ekeys, evals, node, slot)
     if r >= 0:
         eps[r, EEND] = end
         return
@@ -196,29 +222,39 @@ def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
     first = nodes[node, EPH]
     eps[r, ENEXT] = first
     eps[r, EPREV] = -1
+    nodes[node, EPH] = r
     if first >= 0:
         eps[first, EPREV] = r
-    nodes[node, EPH] = r
-    meta[M_ELIVE] += h_put(ekeys, evals, key, r)
+        if eps[first, ENEXT] < 0:  # the node's second record: the first one goes into the hash table too
+            _ep_hash(eps, ekeys, evals, meta, first)
+        _ep_hash(eps, ekeys, evals, meta, r)
 
 
 @jit
 def _ep_free(nodes, eps, ekeys, evals, meta, r):
+    node = eps[r, ENODE]
+    hashed = eps[nodes[node, EPH], ENEXT] >= 0  # the node has two or more records, all in the hash table
+    if hashed:
+        _ep_unhash(eps, ekeys, evals, meta, r)
     nx, pv = eps[r, ENEXT], eps[r, EPREV]
     if nx >= 0:
         eps[nx, EPREV] = pv
     if pv >= 0:
         eps[pv, ENEXT] = nx
     else:
-        nodes[eps[r, ENODE], EPH] = nx
-    meta[M_ELIVE] -= h_del(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]))
+        nodes[node, EPH] = nx
+    head = nodes[node, EPH]
+    if hashed and eps[head, ENEXT] < 0:  # one record left: it leaves the hash table
+        _ep_unhash(eps, ekeys, evals, meta, head)
     eps[r, ENEXT] = meta[M_EFREE]
     meta[M_EFREE] = r
 
 
 @jit
 def ep_del(nodes, eps, ekeys, evals, meta, node, slot):
-    r = h_get(ekeys, evals, ckey(node, slot))
+    if not meta[M_ENDPOINTS]:
+        return
+    r = ep_find(nodes, eps, ekeys, evals, node, slot)
     if r >= 0:
         _ep_free(nodes, eps, ekeys, evals, meta, r)
 
@@ -460,7 +496,8 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
             free_node(nodes, groups, eps, ekeys, evals, meta, node)
             return child
         nodes[node, LEN] += 1  # node grows into child by one token
-        eps[h_get(ekeys, evals, ckey(node, slot)), EEND] += 1
+        if meta[M_ENDPOINTS]:
+            eps[ep_find(nodes, eps, ekeys, evals, node, slot), EEND] += 1
         nodes[node, REF] = slot
         nodes[node, END] = n
         nodes[child, LEN] -= 1
@@ -506,9 +543,11 @@ def k_extend(
             seqtab[slot, SLEN] >= seqtab[slot, SCAP]
             or meta[M_NHWM] + need > len(nodes)
             or meta[M_GHWM] + 3 * need > len(groups)
-            or meta[M_EHWM] + need > len(eps)
             or 2 * (meta[M_CLIVE] + need) > len(ckeys)
-            or 2 * (meta[M_ELIVE] + need) > len(ekeys)
+            or (
+                meta[M_ENDPOINTS]
+                and (meta[M_EHWM] + need > len(eps) or 2 * (meta[M_ELIVE] + 2 * need) > len(ekeys))
+            )
         ):
             return t
         token = new[t]
@@ -603,7 +642,7 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
             leaf = nodes[leaf, HEAD]
             distance += nodes[leaf, LEN]
         r = nodes[leaf, EPH]
-        if r < 0 or ep_get(eps, ekeys, evals, leaf, slot) >= 0:
+        if r < 0 or ep_get(nodes, eps, ekeys, evals, leaf, slot) >= 0:
             continue  # visited again later in this removal
         ref, end = eps[r, ESEQ], eps[r, EEND] - distance
         for k in range(plen - 1, -1, -1):
@@ -901,6 +940,10 @@ def k_from_arrays(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, columns,
 # ---- the Python side -----------------------------------------------------------------------------------
 
 
+_EMPTY_META = np.array([-1, 1, -1, 0, -1, 0, 0, 0, 0], np.int64)  # free lists empty, row 0 is the root
+_ROOT_ROW = np.array([0 if f in (CNT, LEN, END) else -1 for f in range(NODE_FIELDS)], np.int32)
+
+
 class _Entry:
     """A kernel called through its compiled entry point after the first call: numba's dispatcher types every
     argument on every call (~5 µs for the 14 arguments here, as much as a whole append); ArrayTree always
@@ -920,6 +963,16 @@ class _Entry:
 
 
 _extend, _speculate = _Entry(k_extend), _Entry(k_speculate)
+
+
+def _int32(tokens: Iterable[int]) -> np.ndarray:
+    """``tokens`` as a writable int32 array for a kernel (which only reads it): a view of the ``array('i')``
+    the cache passes, else a copy (a caller's read-only array would not match the kernels' entry points)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return np.frombuffer(tokens, np.int32)
+    if not isinstance(tokens, list | tuple | np.ndarray):
+        tokens = list(tokens)
+    return np.array(tokens, np.int32)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -955,33 +1008,46 @@ class ArrayTree:
     [3, 1]
     """
 
-    def __init__(self, max_depth: int = 64) -> None:
+    def __init__(self, max_depth: int = 64, endpoints: bool = True) -> None:
+        """``endpoints=False``: a tree that never removes a sequence nor is saved (a request's tree) skips the
+        suffix-endpoint records that only :meth:`remove` and :meth:`to_arrays` read."""
         if max_depth < 1:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
+        self.endpoints = endpoints
         rows = 4 * (max_depth + 1)  # room for a few tokens; tables double when a token might not fit
-        self.nodes = np.full((rows, NODE_FIELDS), -1, np.int32)
-        self.nodes[0, [CNT, LEN, END]] = 0
-        self.groups = np.zeros((4 * rows, 4), np.int32)
-        self.eps = np.zeros((rows, 5), np.int32)
+        self.nodes = np.empty((rows, NODE_FIELDS), np.int32)
+        self.groups = np.empty((4 * rows, 4), np.int32)
         self.ckeys, self.cvals = self._hash_table(4 * rows)
-        self.ekeys, self.evals = self._hash_table(4 * rows)
-        self.meta = np.zeros(8, np.int64)
-        self.meta[[M_NFREE, M_GFREE, M_EFREE]] = -1
-        self.meta[M_NHWM] = 1
-        self.tokens = np.zeros(4096, np.int32)
+        ep_rows = rows if endpoints else 1  # kernels never touch a tree's endpoint tables without endpoints
+        self.eps = np.empty((ep_rows, 5), np.int32)
+        self.ekeys, self.evals = self._hash_table(4 * ep_rows)
+        self.meta = np.zeros(9, np.int64)  # no live hash keys: clear() leaves the fresh tables as they are
+        self.tokens = np.empty(4096, np.int32)
+        self.seqtab = np.empty((16, 4), np.int64)
+        self.active = np.empty((4, max_depth), np.int32)
+        self.actmeta = np.empty((4, 2), np.int32)
+        self.seqs = _Seqs(self)
+        self.clear()
+
+    def clear(self) -> None:
+        """Remove every sequence, keeping the allocated tables (a finished request's tree serves the next one:
+        allocating the tables costs more than a short prompt's insertion)."""
+        meta = self.meta
+        for keys, live in ((self.ckeys, meta[M_CLIVE]), (self.ekeys, meta[M_ELIVE])):
+            if live:
+                keys.base.fill(EMPTY)
+        meta[:] = _EMPTY_META
+        meta[M_ENDPOINTS] = self.endpoints
+        self.nodes[0] = _ROOT_ROW  # other rows are initialised when taken
         self._tok_used = 0
         self._garbage = 0
-        self.seqtab = np.zeros((16, 4), np.int64)
         self._n_slots = 0
         self._free_slots: list[int] = []
-        self.active = np.zeros((4, max_depth), np.int32)
-        self.actmeta = np.zeros((4, 2), np.int32)
-        self._free_rows = list(range(3, -1, -1))
+        self._free_rows = list(range(len(self.active) - 1, -1, -1))
         self._slot: dict[int, int] = {}  # seq id -> slot
         self._open: dict[int, int] = {}  # the open ones
         self._id_of: dict[int, int] = {}
-        self.seqs = _Seqs(self)
         self._refresh()
 
     @property
@@ -1009,18 +1075,22 @@ class ArrayTree:
         return new_keys, new_vals
 
     def _make_room(self, slot: int, n_tokens: int) -> None:
-        """Double what :func:`k_extend` found short for one more token (of ``n_tokens`` to come)."""
+        """Grow what :func:`k_extend` found short for one more token of ``n_tokens`` to come: doubled, or sized
+        for all of them if more (n tokens make at most 2n nodes), so that a long prompt's tables grow once."""
         need, meta = self.max_depth + 1, self.meta
+        rows = 2 * n_tokens + 3 * need
         if meta[M_NHWM] + need > len(self.nodes):
-            self.nodes = self._grown(self.nodes, 2 * len(self.nodes), -1)
+            self.nodes = self._grown(self.nodes, max(2 * len(self.nodes), meta[M_NHWM] + rows), -1)
         if meta[M_GHWM] + 3 * need > len(self.groups):
-            self.groups = self._grown(self.groups, 2 * len(self.groups))
-        if meta[M_EHWM] + need > len(self.eps):
-            self.eps = self._grown(self.eps, 2 * len(self.eps))
+            self.groups = self._grown(self.groups, max(2 * len(self.groups), meta[M_GHWM] + rows))
         if 2 * (meta[M_CLIVE] + need) > len(self.ckeys):
-            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, 2 * len(self.ckeys))
-        if 2 * (meta[M_ELIVE] + need) > len(self.ekeys):
-            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, 2 * len(self.ekeys))
+            size = max(2 * len(self.ckeys), 2 * (meta[M_CLIVE] + rows))
+            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, size)
+        if self.endpoints and meta[M_EHWM] + need > len(self.eps):
+            self.eps = self._grown(self.eps, max(2 * len(self.eps), meta[M_EHWM] + rows))
+        if self.endpoints and 2 * (meta[M_ELIVE] + 2 * need) > len(self.ekeys):  # a record can hash two
+            size = max(2 * len(self.ekeys), 2 * (meta[M_ELIVE] + rows))
+            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, size)
         self._token_room(slot, n_tokens)
         self._refresh()
 
@@ -1097,9 +1167,7 @@ class ArrayTree:
 
     def extend(self, seq_id: int, tokens: Iterable[int]) -> None:
         """Append tokens to sequence ``seq_id`` (new or still open); O(max_depth) each."""
-        if not isinstance(tokens, list | tuple | np.ndarray | array):
-            tokens = list(tokens)
-        new = np.array(tokens, dtype=np.int32)
+        new = _int32(tokens)
         slot = self._open.get(seq_id)
         if slot is None:
             slot = self._open_slot(seq_id)
@@ -1127,6 +1195,7 @@ class ArrayTree:
 
     def remove(self, seq_id: int) -> None:
         """Remove every suffix of ``seq_id`` and release its tokens; O(len * max_depth)."""
+        self._need_endpoints("remove a sequence")
         self.close(seq_id)
         slot = self._slot.pop(seq_id)
         del self._id_of[slot]
@@ -1137,6 +1206,17 @@ class ArrayTree:
 
     def is_open(self, seq_id: int) -> bool:
         return seq_id in self._open
+
+    @classmethod
+    def for_request(cls, max_depth: int) -> ArrayTree:
+        """A tree for one request's prompt and output: never removed nor saved, so without endpoints."""
+        return cls(max_depth, endpoints=False)
+
+    def _need_endpoints(self, what: str) -> None:
+        if not self.endpoints:
+            raise ValueError(
+                f"a tree built with endpoints=False cannot {what}; to resolve, build it with endpoints"
+            )
 
     # ---- speculation ----------------------------------------------------------------------------------
 
@@ -1153,7 +1233,7 @@ class ArrayTree:
     ) -> Draft:
         """:meth:`.tree.SuffixTree.speculate_open` (same arguments, same draft)."""
         slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
-        ctx = np.array(context, dtype=np.int32)
+        ctx = _int32(context)
         order = _order_array(self.max_depth, max_spec, factor, offset)
         tok, par, prob, score, match_len = _speculate(
             *self._spec_args, slot, ctx, bool(walk), order, int(max_spec), f32(min_token_prob), bool(tree)
@@ -1169,6 +1249,7 @@ class ArrayTree:
     def to_arrays(self, order: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(node rows parent/count/length/ref/end, endpoint rows node/seq/end), breadth-first in sibling
         order, sequences as indices into ``order`` (artifact.tree_to_arrays)."""
+        self._need_endpoints("be saved")
         slot_index = np.full(max(self._n_slots, 1), -1, np.int64)
         for k, seq_id in enumerate(order):
             slot_index[self._slot[seq_id]] = k

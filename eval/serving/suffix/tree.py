@@ -298,6 +298,20 @@ class SuffixTree:
         if max_depth < 1:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
+        self.clear()
+
+    @classmethod
+    def for_request(cls, max_depth: int) -> SuffixTree:
+        """A tree for one request's prompt and output (the compiled tree leaves out what such a tree never reads)."""
+        return cls(max_depth)
+
+    @property
+    def root_count(self) -> int:
+        """Suffixes in the tree: the tokens of all its sequences."""
+        return self.root.count
+
+    def clear(self) -> None:
+        """Remove every sequence."""
         self.root = _Node(0, 0, None, -1, 0, None)
         self.seqs: dict[int, array] = {}
         self._active: dict[int, deque[_Node]] = {}
