@@ -40,6 +40,7 @@ transformers and the sibling configuration file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -196,13 +197,16 @@ class SwiftKVDecoderLayerMixin:
 
 @dataclass
 class _Prepared:
-    """Per-forward state shared by the lower and upper layers."""
+    """Per-forward state shared by the lower and upper layers.  ``kept_rows_mask``: the mask to cut for the last
+    rows when fewer rows than the block go on (sdpa's ``is_causal`` is top-left aligned, wrong for them), while
+    the full block keeps ``attention_mask`` (``None``: sdpa's ``is_causal``, its fast kernel)."""
 
     hidden_states: torch.Tensor
     attention_mask: torch.Tensor | BlockMask | None
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     position_ids: torch.Tensor
     cache: Cache | None
+    kept_rows_mask: torch.Tensor | BlockMask | None = None
 
 
 def _mask_for_last_rows(mask, rows: int):
@@ -352,20 +356,25 @@ class SwiftKVModelMixin:
             position_ids = (
                 torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0) + past_seen
             )
-        # sdpa's is_causal (mask None) is top-left aligned over all kv slots: right for the full block, and for
-        # one kept row only when every kv slot is real (not the unwritten tail of a StaticCache)
-        skipped = rows_kept < inputs_embeds.shape[1]
-        mask = create_causal_mask(
+        # sdpa's is_causal (mask None) is top-left aligned over all kv slots: right for the full block (the lower
+        # layers), and for one kept row only when every kv slot is real (not the unwritten tail of a
+        # StaticCache); several kept rows (an exact K/V window, speculative tokens) get an explicit mask of their
+        # own, so the lower layers never pay for one
+        masks = functools.partial(
+            create_causal_mask,
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
-            allow_is_causal_skip=not skipped
-            or (rows_kept == 1 and not getattr(cache, "is_compileable", False)),
         )
+        mask = masks(allow_is_causal_skip=True)
+        kept_rows_mask = mask
+        one_row_causal = rows_kept == 1 and not getattr(cache, "is_compileable", False)
+        if mask is None and rows_kept < inputs_embeds.shape[1] and not one_row_causal:
+            kept_rows_mask = masks(allow_is_causal_skip=False)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
-        return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache)
+        return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache, kept_rows_mask)
 
     def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, exact=None, **kwargs):
         """Run ``layers`` (a slice of self.layers).  ``kv`` holds the SwiftKV K/V per group when given, and
@@ -396,7 +405,7 @@ class SwiftKVModelMixin:
         cos, sin = prepared.position_embeddings
         return _Prepared(
             prepared.hidden_states[:, -rows:],
-            _mask_for_last_rows(prepared.attention_mask, rows),
+            _mask_for_last_rows(prepared.kept_rows_mask, rows),
             (cos[:, -rows:], sin[:, -rows:]),
             prepared.position_ids[..., -rows:],
             prepared.cache,
