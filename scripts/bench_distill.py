@@ -1,7 +1,9 @@
 """Distillation step throughput: shared lower layers (ours) vs a naive two-forward-pass loop, same run.
 
 Both compute the same loss and gradients (tests/test_distill_objective.py); the naive loop runs the teacher
-and the student as two full forward passes, as the reference trainer does.  Each repeat times one
+and the student as two full forward passes, as the reference trainer does.  A third variant trains with exact
+K/V (``--exact-kv-window``, the recipes' setting: the loss mask's replies and the window before each take exact
+K/V in layers >= l), so its cost is measured beside the plain step.  Each repeat times one
 optimizer-free training step (forward, KD loss, backward) of each variant in alternating order on the same
 packed ShareGPT rows; the table reports medians.
 
@@ -10,6 +12,7 @@ packed ShareGPT rows; the table reports medians.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -39,6 +42,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--exact-kv-window", type=int, default=32, help="the exact-K/V variant's window")
     add_out(parser, "out/bench/distill.json")
     return parser
 
@@ -54,9 +58,14 @@ def bench(args) -> None:
         param.requires_grad_(name in names)
     rows = held_out_rows(tokenizer, n_conversations=64, seq_len=args.seq_len)
     batch = tuple(rows[k][: args.batch] for k in ("input_ids", "position_ids", "loss_mask"))
+    exact = copy.deepcopy(model)
+    exact.config.exact_kv_window = args.exact_kv_window
     variants = {
         "shared lower layers": DistillationObjective(model, LossSection(), shared_lower_layers=True),
         "naive two passes": DistillationObjective(model, LossSection(), shared_lower_layers=False),
+        f"shared lower layers, exact K/V (W = {args.exact_kv_window})": DistillationObjective(
+            exact, LossSection(), shared_lower_layers=True
+        ),
     }
     for objective in variants.values():  # warm-up
         step_seconds(objective, batch)

@@ -263,3 +263,29 @@ def test_exact_positions_cover_replies_and_their_windows_inside_each_sample():
     assert exact_kv_positions(loss, pos, 3).int().tolist() == [[1, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0]]
     # the window never reaches into the previous sample: sample 2's reply starts at its position 1
     assert exact_kv_positions(loss, pos, 4)[0, 4].item() is False
+
+
+def test_a_prefill_window_keeps_sdpa_causal_kernel_in_the_lower_layers():
+    """A prefill that runs its last W rows through layers >= l: the lower layers (the whole block) still get
+    sdpa's ``is_causal`` (mask None, its fast kernel), and only the kept rows an explicit mask, bottom-right
+    aligned (equal to the rows of the full causal mask), so the window costs its rows and no more."""
+    model = windowed("llama", "sdpa", 3)
+    calls = []
+    real = model.model._run
+
+    def spy(layers, hidden, prepared, *args, **kwargs):
+        calls.append((len(layers), prepared.attention_mask))
+        return real(layers, hidden, prepared, *args, **kwargs)
+
+    model.model._run = spy
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+    (lower, lower_mask), (upper, upper_mask) = calls
+    assert (lower, upper) == (2, model.config.num_hidden_layers - 2)
+    assert lower_mask is None and upper_mask is not None and upper_mask.shape[-2:] == (3, 12)
+    full = torch.ones(12, 12, dtype=torch.bool).tril()[-3:]
+    assert torch.equal(
+        upper_mask[0, 0].bool() if upper_mask.dtype == torch.bool else upper_mask[0, 0] == 0, full
+    )
+    assert out.logits.shape[1] == 1
