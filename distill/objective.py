@@ -203,7 +203,9 @@ class DistillationObjective(nn.Module):
         window = getattr(self.causal_lm.config, "exact_kv_window", 0)
         if not window:
             return None
-        generated = last_replies(loss_mask, position_ids) if self.loss_cfg.exact_kv_replies == "last" else loss_mask
+        generated = (
+            last_replies(loss_mask, position_ids) if self.loss_cfg.exact_kv_replies == "last" else loss_mask
+        )
         return exact_kv_positions(generated, position_ids, window)
 
     def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:

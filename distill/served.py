@@ -170,7 +170,9 @@ def served_sums(
     """``regime_sums`` of every reply scored as served (``per_reply_samples``); the ``first_reply`` subset is the
     first reply of each conversation (empty sums where no reply is left, e.g. prompt-heavy cuts of first replies)."""
     first, later = (per_reply_samples(samples, seq_len, part, **cut) for part in (slice(1), slice(1, None)))
-    empty = {name: torch.zeros(5, dtype=torch.float64) for name in ("reply", f"first{FIRST_TOKENS}", "first_reply")}
+    empty = {
+        name: torch.zeros(5, dtype=torch.float64) for name in ("reply", f"first{FIRST_TOKENS}", "first_reply")
+    }
     sums = {regime: {name: s.clone() for name, s in empty.items()} for regime in windows}
     for part, is_first in ((first, True), (later, False)):
         if not part:

@@ -106,8 +106,12 @@ def test_long_prompt_samples_need_a_reply_that_starts_after_the_context(tmp_path
     from distill.served import conversation_samples
 
     chats = [
-        {"conversations": [{"from": "human", "value": "q" * 20}, {"from": "gpt", "value": "a" * 200}]},  # spans 100
-        {"conversations": [{"from": "human", "value": "q" * 150}, {"from": "gpt", "value": "b" * 30}]},  # starts past
+        {
+            "conversations": [{"from": "human", "value": "q" * 20}, {"from": "gpt", "value": "a" * 200}]
+        },  # spans 100
+        {
+            "conversations": [{"from": "human", "value": "q" * 150}, {"from": "gpt", "value": "b" * 30}]
+        },  # starts past
     ]
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats) * 60)  # enough rows for the held-out split
