@@ -11,7 +11,7 @@ earlier answers): the pure-Python tree, the numba-compiled one (when numba is in
 (arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or
 SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is skipped, saying so, when
 absent).  All caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one),
-interleaved request by request, in repeats with fresh caches; medians of the per-operation times (setup: an empty
+interleaved request by request, in repeats with fresh caches, garbage collection off while timing; medians of the per-operation times (setup: an empty
 request's ``start_request``; prompt: ``start_request`` per prompt token, its tree's allocation included; append
 per token, both trees; ``speculate()`` per call), ratios to the reference, bytes per cached token of the global tree.
 
@@ -21,6 +21,7 @@ per token, both trees; ``speculate()`` per call), ratios to the reference, bytes
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import statistics
@@ -226,10 +227,13 @@ def measure_stream_kind(makers: dict, streams, repeats: int) -> dict:
     for rep in range(repeats):
         caches = {name: make() for name, make in makers.items()}
         accs = {name: dict.fromkeys(ACC_KEYS, 0) for name in names}
+        gc.collect()
+        gc.disable()  # as timeit does: the pure-Python tree's objects make collections land on any cache's step
         for r, (prompt, response) in enumerate(streams):
             k = (r + rep) % len(names)
             for name in names[k:] + names[:k]:
                 drive_request(caches[name], r, prompt, response, name == "reference", accs[name])
+        gc.enable()
         for name, cache in caches.items():
             runs[name].append(summary(accs[name]))
             if name == "reference":

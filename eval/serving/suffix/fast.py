@@ -30,6 +30,10 @@ import numpy as np
 from .tree import Draft, _search_order, f32
 
 jit = numba.njit(cache=True, nogil=True)
+# The kernels' helpers are inlined into them at numba's IR level: a call to a compiled function increments and
+# decrements the reference count of every array it passes (two atomic operations each, not optimised away), which
+# cost more than the work of an append step.
+inline = numba.njit(cache=True, nogil=True, inline="always")
 
 # node table columns
 CNT, LEN, REF, END, PAR, HEAD, TAIL, NEXT, PREV, GRP, EPH = range(11)
@@ -50,13 +54,13 @@ MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashing)
 # ---- hash tables: int64 keys (EMPTY when free), int32 values, linear probing, backward-shift deletion -----
 
 
-@jit
+@inline
 def _home(key, mask):
     h = key * MUL
     return (h ^ (h >> 29)) & mask
 
 
-@jit
+@inline
 def h_get(keys, vals, key):
     mask = len(keys) - 1
     i = _home(key, mask)
@@ -67,7 +71,7 @@ def h_get(keys, vals, key):
     return -1
 
 
-@jit
+@inline
 def h_put(keys, vals, key, val):
     """Set key -> val; 1 if the key is new."""
     mask = len(keys) - 1
@@ -82,7 +86,7 @@ def h_put(keys, vals, key, val):
     return 1
 
 
-@jit
+@inline
 def h_del(keys, vals, key):
     """Delete key; 1 if it was there."""
     mask = len(keys) - 1
@@ -113,7 +117,7 @@ def h_rehash(keys, vals, new_keys, new_vals):
             h_put(new_keys, new_vals, keys[i], vals[i])
 
 
-@jit
+@inline
 def ckey(node, token):
     return (np.int64(node) << 32) | (np.int64(token) & 0xFFFFFFFF)
 
@@ -121,7 +125,7 @@ def ckey(node, token):
 # ---- allocation ----------------------------------------------------------------------------------------
 
 
-@jit
+@inline
 def new_node(nodes, meta, count, length, ref, end, parent):
     r = meta[M_NFREE]
     if r >= 0:
@@ -139,7 +143,7 @@ def new_node(nodes, meta, count, length, ref, end, parent):
     return r
 
 
-@jit
+@inline
 def new_group(groups, meta, head):
     g = meta[M_GFREE]
     if g >= 0:
@@ -154,7 +158,7 @@ def new_group(groups, meta, head):
     return g
 
 
-@jit
+@inline
 def gset(nodes, groups, meta, node, g):
     """node.group = g, counting members; a group left without members is freed."""
     old = nodes[node, GRP]
@@ -176,7 +180,7 @@ def gset(nodes, groups, meta, node, g):
 # moving a suffix's endpoint from a node to its child, an append's usual step, touches no hash table.
 
 
-@jit
+@inline
 def ep_find(nodes, eps, ekeys, evals, node, slot):
     """The record of (node, slot), or -1."""
     r = nodes[node, EPH]
@@ -191,17 +195,17 @@ def ep_get(nodes, eps, ekeys, evals, node, slot):
     return -1 if r < 0 else eps[r, EEND]
 
 
-@jit
+@inline
 def _ep_hash(eps, ekeys, evals, meta, r):
     meta[M_ELIVE] += h_put(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]), r)
 
 
-@jit
+@inline
 def _ep_unhash(eps, ekeys, evals, meta, r):
     meta[M_ELIVE] -= h_del(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]))
 
 
-@jit
+@inline
 def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
     """Record that a suffix of ``slot`` ends at ``node`` at index ``end`` (no-op in a tree without endpoints)."""
     if not meta[M_ENDPOINTS]:
@@ -230,7 +234,7 @@ def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
         _ep_hash(eps, ekeys, evals, meta, r)
 
 
-@jit
+@inline
 def _ep_free(nodes, eps, ekeys, evals, meta, r):
     node = eps[r, ENODE]
     hashed = eps[nodes[node, EPH], ENEXT] >= 0  # the node has two or more records, all in the hash table
@@ -250,7 +254,7 @@ def _ep_free(nodes, eps, ekeys, evals, meta, r):
     meta[M_EFREE] = r
 
 
-@jit
+@inline
 def ep_del(nodes, eps, ekeys, evals, meta, node, slot):
     if not meta[M_ENDPOINTS]:
         return
@@ -259,7 +263,7 @@ def ep_del(nodes, eps, ekeys, evals, meta, node, slot):
         _ep_free(nodes, eps, ekeys, evals, meta, r)
 
 
-@jit
+@inline
 def free_node(nodes, groups, eps, ekeys, evals, meta, node):
     """Release a node that is out of the tree (its child keys are the caller's): endpoints, group, row."""
     while nodes[node, EPH] >= 0:
@@ -273,7 +277,7 @@ def free_node(nodes, groups, eps, ekeys, evals, meta, node):
 # ---- the ordered sibling list (the updates of tree.py, on rows) ---------------------------------------
 
 
-@jit
+@inline
 def remove_from_siblings(nodes, groups, meta, node):
     g = nodes[node, GRP]
     nx = nodes[node, NEXT]
@@ -305,7 +309,7 @@ def remove_from_siblings(nodes, groups, meta, node):
     nodes[node, NEXT] = -1
 
 
-@jit
+@inline
 def insert_before(nodes, groups, meta, node, other):
     op = nodes[other, PREV]
     if op >= 0:
@@ -331,7 +335,7 @@ def insert_before(nodes, groups, meta, node, other):
         groups[groups[g, GNEXT], GPREV] = g
 
 
-@jit
+@inline
 def insert_after(nodes, groups, meta, node, other):
     on = nodes[other, NEXT]
     if on >= 0:
@@ -359,7 +363,7 @@ def insert_after(nodes, groups, meta, node, other):
         groups[groups[g, GPREV], GNEXT] = g
 
 
-@jit
+@inline
 def replace_in_siblings(nodes, groups, meta, old, new):
     parent = nodes[old, PAR]
     on, op = nodes[old, NEXT], nodes[old, PREV]
@@ -382,7 +386,7 @@ def replace_in_siblings(nodes, groups, meta, old, new):
     gset(nodes, groups, meta, old, -1)
 
 
-@jit
+@inline
 def increment_count(nodes, groups, meta, node):
     if nodes[node, PAR] < 0:
         nodes[node, CNT] += 1
@@ -450,12 +454,12 @@ def decrement_count(nodes, groups, meta, node):
 # ---- building ------------------------------------------------------------------------------------------
 
 
-@jit
+@inline
 def token_at(nodes, tokens, seqtab, node, offset):
     return tokens[seqtab[nodes[node, REF], SSTART] + nodes[node, END] - nodes[node, LEN] + offset]
 
 
-@jit
+@inline
 def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n):
     """tree.SuffixTree._extend_suffix on rows."""
     child = h_get(ckeys, cvals, ckey(node, token))
@@ -656,7 +660,7 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
 # ---- lookup and speculation ----------------------------------------------------------------------------
 
 
-@jit
+@inline
 def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, pos_off, npos):
     """Append the positions of ctx's tails of length start, start + 1, ... < len(ctx) while they occur."""
     n = len(ctx)
@@ -690,7 +694,7 @@ def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, p
     return npos
 
 
-@jit
+@inline
 def tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off):
     """SuffixTree.tail_positions: from ``slot``'s active nodes when ctx ends with that open sequence."""
     m = len(ctx)
@@ -716,12 +720,12 @@ def tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, c
     return npos
 
 
-@jit
+@inline
 def _f32(x):
     return np.float64(np.float32(x))
 
 
-@jit
+@inline
 def path_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_prob, build):
     """SuffixTree.speculate_path (``build``) / _path_score: (number of tokens, score)."""
     score, prob, n = 0.0, 1.0, 0
@@ -750,19 +754,19 @@ def path_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
     return n, score
 
 
-@jit
+@inline
 def _heap_less(hp, hi, a, b):
     return hp[a] < hp[b] or (hp[a] == hp[b] and hi[a, 0] < hi[b, 0])
 
 
-@jit
+@inline
 def _heap_swap(hp, hi, a, b):
     hp[a], hp[b] = hp[b], hp[a]
     for f in range(4):
         hi[a, f], hi[b, f] = hi[b, f], hi[a, f]
 
 
-@jit
+@inline
 def _heap_push(hp, hi, size, p, order, node, off, parent):
     """Push (p, order) -> (node, off, parent) onto the min-heap of ``size`` entries; the new size."""
     i = size
@@ -774,7 +778,7 @@ def _heap_push(hp, hi, size, p, order, node, off, parent):
     return size + 1
 
 
-@jit
+@inline
 def _heap_pop(hp, hi, size):
     """Move the smallest (p, order) entry to index ``size - 1``; the new size."""
     last = size - 1
@@ -792,7 +796,7 @@ def _heap_pop(hp, hi, size):
         i = small
 
 
-@jit
+@inline
 def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob):
     """SuffixTree.speculate_tree: best-first expansion; (number of tokens, score)."""
     hp = np.empty(64, np.float64)
@@ -828,21 +832,33 @@ def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
 
 @jit
 def k_speculate(
-    nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, walk, order, max_spec, min_prob, tree
+    nodes,
+    ckeys,
+    cvals,
+    tokens,
+    seqtab,
+    active,
+    actmeta,
+    slot,
+    ctx,
+    walk,
+    order,
+    max_spec,
+    min_prob,
+    tree,
+    ids,
+    probs,
 ):
-    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open): tokens, parents, probs, score, match_len."""
+    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open), its tokens and parents written into the rows
+    of ``ids`` and its probabilities into ``probs`` (``max_spec`` columns or more): (tokens, score, match_len)."""
     m = len(ctx)
     pos_node = np.empty(max(m, 1), np.int64)
     pos_off = np.empty(max(m, 1), np.int64)
     npos = tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off)
     if npos == 0 and walk:
         npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, 1, pos_node, pos_off, 0)
-    out_tok = np.empty(max_spec, np.int64)
-    out_par = np.empty(max_spec, np.int64)
-    out_prob = np.empty(max_spec, np.float64)
-    best_tok = np.empty(max_spec, np.int64)
-    best_par = np.empty(max_spec, np.int64)
-    best_prob = np.empty(max_spec, np.float64)
+    cand_ids = np.empty((2, max_spec if tree else 0), np.int64)  # a tree draft is built to be scored
+    cand_probs = np.empty(max_spec if tree else 0)
     best_score, best_p, best_n, best_node, best_off, best_budget = -1.0, 0, 0, 0, 0, 0
     slack = 1 + 1e-5 if tree else 1.0
     for r in range(len(order)):
@@ -855,26 +871,25 @@ def k_speculate(
         node, off = pos_node[p - 1], pos_off[p - 1]
         if tree:
             n, score = tree_draft(
-                nodes, tokens, seqtab, node, off, budget, min_prob, out_tok, out_par, out_prob
+                nodes, tokens, seqtab, node, off, budget, min_prob, cand_ids[0], cand_ids[1], cand_probs
             )
         else:
-            n, score = path_draft(
-                nodes, tokens, seqtab, node, off, budget, min_prob, out_tok, out_prob, False
-            )
+            n, score = path_draft(nodes, tokens, seqtab, node, off, budget, min_prob, ids[0], probs, False)
         if score > best_score or (score == best_score and p > best_p):
             best_score, best_p, best_n = score, p, n
             best_node, best_off, best_budget = node, off, budget
             if tree:
-                best_tok[:n], best_par[:n], best_prob[:n] = out_tok[:n], out_par[:n], out_prob[:n]
+                ids[:, :n] = cand_ids[:, :n]
+                probs[:n] = cand_probs[:n]
     if best_p == 0:
-        return best_tok[:0], best_par[:0], best_prob[:0], 0.0, 0
+        return 0, 0.0, 0
     if not tree:
         best_n, best_score = path_draft(
-            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, best_tok, best_prob, True
+            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, ids[0], probs, True
         )
         for i in range(best_n):
-            best_par[i] = i - 1
-    return best_tok[:best_n], best_par[:best_n], best_prob[:best_n], best_score, best_p
+            ids[1, i] = i - 1
+    return best_n, best_score, best_p
 
 
 @jit
@@ -1028,6 +1043,13 @@ class ArrayTree:
         self.active = np.empty((4, max_depth), np.int32)
         self.actmeta = np.empty((4, 2), np.int32)
         self.seqs = _Seqs(self)
+        self._draft_ids, self._draft_probs = np.empty((2, 32), np.int64), np.empty(32)  # the kernel's output
+        self._free_slots: list[int] = []
+        self._free_rows: list[int] = []  # of the active-node table
+        self._slot: dict[int, int] = {}  # seq id -> slot
+        self._open: dict[int, int] = {}  # the open ones
+        self._id_of: dict[int, int] = {}
+        self._refresh()
         self.clear()
 
     def clear(self) -> None:
@@ -1043,12 +1065,11 @@ class ArrayTree:
         self._tok_used = 0
         self._garbage = 0
         self._n_slots = 0
-        self._free_slots: list[int] = []
-        self._free_rows = list(range(len(self.active) - 1, -1, -1))
-        self._slot: dict[int, int] = {}  # seq id -> slot
-        self._open: dict[int, int] = {}  # the open ones
-        self._id_of: dict[int, int] = {}
-        self._refresh()
+        self._free_slots.clear()
+        self._free_rows[:] = range(len(self.active) - 1, -1, -1)
+        self._slot.clear()
+        self._open.clear()
+        self._id_of.clear()
 
     @property
     def root_count(self) -> int:
@@ -1235,10 +1256,23 @@ class ArrayTree:
         slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
         ctx = _int32(context)
         order = _order_array(self.max_depth, max_spec, factor, offset)
-        tok, par, prob, score, match_len = _speculate(
-            *self._spec_args, slot, ctx, bool(walk), order, int(max_spec), f32(min_token_prob), bool(tree)
+        if len(self._draft_probs) < max_spec:
+            self._draft_ids, self._draft_probs = np.empty((2, max_spec), np.int64), np.empty(max_spec)
+        ids, probs = self._draft_ids, self._draft_probs
+        n, score, match_len = _speculate(
+            *self._spec_args,
+            slot,
+            ctx,
+            bool(walk),
+            order,
+            int(max_spec),
+            f32(min_token_prob),
+            bool(tree),
+            ids,
+            probs,
         )
-        return Draft(tok.tolist(), par.tolist(), prob.tolist(), int(match_len), float(score))
+        tokens, parents = ids[:, :n].tolist()
+        return Draft(tokens, parents, probs[:n].tolist(), match_len, score)
 
     def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
         """Best draft for the tails of ``context`` shorter than it, each walked from the root."""
