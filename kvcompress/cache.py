@@ -186,8 +186,11 @@ class TaleLayer(CacheLayerMixin):
         self.pending = (self.pending or []) + [held]
 
     # --- rollback (speculative decoding) ------------------------------------------------------------------
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Make every forward pass undoable by ``crop`` (transformers calls this for assisted decoding).
+
+        ``kwargs`` are what transformers passes on to every layer (``recurrent_states_to_keep`` for recurrent
+        layers since 5.25); a TALE layer keeps no recurrent state, so it needs none of them.
 
         A recorded pass attends exactly as usual, but its significance and the compression it triggers wait
         for ``crop`` (or the next update), so the state after ``crop(-k)`` is exactly the state the pass would

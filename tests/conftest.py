@@ -117,7 +117,17 @@ def vllm_python() -> Path:
 # broken import (DeepSpeed) or a new skip must not let CI pass by testing less.  Keep the list short.
 # the C++ suffix-tree reference (arctic-inference's) is built outside the repository, never by CI (docs/serving.md)
 NO_SUFFIX_REFERENCE = "SUFFIX_REFERENCE_PATH is not set (the C++ reference is built outside the repository)"
-ALLOWED_CI_SKIPS = frozenset({NO_SUFFIX_REFERENCE})
+# vLLM's CPU attention refuses an FP8 KV cache without AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py,
+# _get_attn_isa): a property of the machine CI happens to run on, decided before the engine starts
+NO_FP8_KV_ON_THIS_CPU = "this CPU has neither AVX-512 nor AMX, which vLLM's CPU FP8 KV cache needs"
+ALLOWED_CI_SKIPS = frozenset({NO_SUFFIX_REFERENCE, NO_FP8_KV_ON_THIS_CPU})
+
+
+def cpu_runs_fp8_kv() -> bool:
+    """Whether vLLM's CPU attention can hold an FP8 KV cache on this machine (the condition vLLM checks)."""
+    import torch
+
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _unlisted_skip(report) -> str | None:
