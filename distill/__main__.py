@@ -1,18 +1,21 @@
-"""``python -m distill RECIPE.yaml [key=value ...]`` (also under ``accelerate launch -m distill``),
-``python -m distill check RECIPE.yaml ...`` (recipe + data + memory plan, see ``distill.check``) and
-``python -m distill sweep MODEL --fractions ... --budget-tokens N --out DIR`` (``distill.sweep``) and
-``python -m distill diagnose CHECKPOINT`` (where the student's error comes from, ``distill.diagnose``)."""
+"""``swiftkv distill RECIPE.yaml [key=value ...]`` (also under ``accelerate launch -m distill``),
+``swiftkv check RECIPE.yaml ...`` (recipe + data + memory plan, see ``distill.check``) and
+``swiftkv sweep MODEL --fractions ... --budget-tokens N --out DIR`` (``distill.sweep``) and
+``swiftkv diagnose CHECKPOINT`` (where the student's error comes from, ``distill.diagnose``)."""
 
 from __future__ import annotations
 
 import sys
 
-from swiftkv.cliargs import ArgumentParser, add_model, run
+from toolkit.cliargs import ArgumentParser, add_model, run
 
+# what `python -m distill X` runs as `swiftkv X` (``accelerate launch -m distill sweep ...`` runs a sweep on
+# every process)
+SUBCOMMANDS = ("check", "sweep", "diagnose")
 EPILOG = """examples:
-  python -m distill recipes/swiftkv_smollm2_cpu.yaml train.max_steps=50 output_dir=out/x
-  python -m distill check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
-  python -m distill sweep MODEL --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
+  swiftkv distill recipes/swiftkv_smollm2_cpu.yaml train.max_steps=50 output_dir=out/x
+  swiftkv check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
+  swiftkv sweep MODEL --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
   accelerate launch --config_file recipes/accelerate/cpu_2proc_zero2.yaml -m distill recipes/swiftkv_smollm2_cpu.yaml
   accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill recipes/swiftkv_llama3.1_8b.yaml
 """
@@ -20,9 +23,9 @@ EPILOG = """examples:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m distill",
-        description="SwiftKV knowledge-preserving distillation (`python -m distill check --help` for the plan, "
-        "`python -m distill sweep --help` to choose the fraction).",
+        prog="swiftkv distill",
+        description="SwiftKV knowledge-preserving distillation (`swiftkv check --help` for the plan, "
+        "`swiftkv sweep --help` to choose the fraction).",
         epilog=EPILOG,
     )
     add_model(parser, "recipe", help="YAML recipe")
@@ -31,7 +34,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _distill(args) -> str:
-    from swiftkv.checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
 
     from .check import load_recipe_or_usage
     from .train import train
@@ -43,18 +46,10 @@ def _distill(args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["check"]:
-        from .check import main as check
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # the same commands as `swiftkv check|sweep|diagnose`
+        from toolkit.cli import COMMANDS
 
-        return check(argv[1:])
-    if argv[:1] == ["sweep"]:
-        from .sweep import main as sweep
-
-        return sweep(argv[1:])
-    if argv[:1] == ["diagnose"]:
-        from .diagnose import main as diagnose
-
-        return diagnose(argv[1:])
+        return COMMANDS[argv[0]].run(argv[1:])
     return run(_distill, build_parser(), argv)
 
 

@@ -1,6 +1,6 @@
 """Steps, tokens and hours of a distillation run, from the recipe, the model's config.json and the launch.
 
-``python -m distill check`` prints this next to the memory plan, so a 64- or 128-GPU run is sized before it is
+``swiftkv check`` prints this next to the memory plan, so a 64- or 128-GPU run is sized before it is
 booked.  The numbers are a plan, not a measurement:
 
 * **Rows.** A sample is one rendered conversation of ``sample_tokens`` tokens on average (measured on the rows

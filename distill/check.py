@@ -1,4 +1,4 @@
-"""``python -m distill check RECIPE [key=value ...]``: will this run work, and does it fit, before launch?
+"""``swiftkv check RECIPE [key=value ...]``: will this run work, and does it fit, before launch?
 
 Reads only small files, so a 405B check runs on a laptop: the recipe (validated), the model's ``config.json``
 and its weights files' headers (``--model-config`` when the model folder is not on this machine; a Hub id
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import yaml
 
-from swiftkv.checkpoint import Checkpoint, looks_like_hub_id, open_checkpoint
-from swiftkv.cliargs import ArgumentParser, UsageError, add_limit, existing_path, run
 from swiftkv.convert import resolve_num_key_value_layers
 from swiftkv.flops import Shape
+from toolkit.checkpoint import Checkpoint, open_checkpoint
+from toolkit.cliargs import ArgumentParser, UsageError, add_limit, existing_path, looks_like_hub_id, run
 
 from .budget import DEFAULT_TFLOPS, plan_budget
 from .memory import GB, Batch, Parallel, Params, activations, comm_buffers, lstsq_init, model_states
@@ -29,12 +29,12 @@ from .recipe import Recipe, RecipeError, load_recipe
 
 RESERVE = 0.10  # share of each GPU kept for the CUDA context, NCCL buffers and allocator fragmentation
 EPILOG = """examples:
-  python -m distill check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
-  python -m distill check recipes/swiftkv_llama3.3_70b.yaml --config recipes/accelerate/8gpu_zero3.yaml \\
+  swiftkv check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
+  swiftkv check recipes/swiftkv_llama3.3_70b.yaml --config recipes/accelerate/8gpu_zero3.yaml \\
       --model-config /path/to/Llama-3.3-70B-Instruct/config.json --no-data
-  python -m distill check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \\
+  swiftkv check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \\
       --model-config recipes/model_configs/llama3.1_405b/config.json --no-data --sample-tokens 1000 --tflops 300
-  python -m distill check recipes/swiftkv_smollm2_cpu.yaml data.seq_len=1024 --gpu-memory 24
+  swiftkv check recipes/swiftkv_smollm2_cpu.yaml data.seq_len=1024 --gpu-memory 24
 """
 
 
@@ -47,7 +47,7 @@ class IntermixedParser(ArgumentParser):
 
 def build_parser() -> ArgumentParser:
     parser = IntermixedParser(
-        prog="python -m distill check",
+        prog="swiftkv check",
         description="Validate a distillation recipe, its data and its per-GPU memory plan (no weights loaded).",
         epilog=EPILOG,
     )
@@ -95,7 +95,7 @@ def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
 
 
 def open_source(recipe: Recipe, tokenizer: bool) -> Checkpoint:
-    """``model.source`` checked as every entry point checks a model (``swiftkv.checkpoint``): a local folder
+    """``model.source`` checked as every entry point checks a model (``toolkit.checkpoint``): a local folder
     with its weights' headers (a folder of only config.json and tokenizer, for a check on a laptop, is
     fine), a Hub id by its config and tokenizer only (no weights are downloaded)."""
     source = recipe.model.source

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swiftkv.assets import HELDOUT_START, resolve_data_path, to_messages
+from toolkit.assets import HELDOUT_START, resolve_data_path, to_messages
 
 from .recipe import DataSection, DataSource
 

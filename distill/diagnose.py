@@ -1,4 +1,4 @@
-"""Where does a SwiftKV student's error come from?  ``python -m distill diagnose CHECKPOINT`` (forward passes only).
+"""Where does a SwiftKV student's error come from?  ``swiftkv diagnose CHECKPOINT`` (forward passes only).
 
 Two measurements on the recipe's held-out rows, both against the teacher (the same weights in original mode):
 
@@ -38,17 +38,17 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from swiftkv.artifacts import read_provenance, write_json_atomic
-from swiftkv.cliargs import UsageError, add_limit, add_model, add_out, run
 from swiftkv.convert import read_config
 from swiftkv.modeling_swiftkv import exact_kv_positions
+from toolkit.artifacts import read_provenance, write_json_atomic
+from toolkit.cliargs import UsageError, add_limit, add_model, add_out, run
 
 from .objective import agreement_metrics, metrics_from_sums
 
 EPILOG = """examples:
-  python -m distill diagnose out/distill/smollm2-swiftkv50/model --out out/diagnose50
-  python -m distill diagnose out/x/converted --recipe recipes/swiftkv_smollm2_cpu.yaml --block-layers 5 --out out/d
-  python -m distill diagnose out/distill/smollm2-swiftkv50/model --exact-kv 32 --out out/exact50
+  swiftkv diagnose out/distill/smollm2-swiftkv50/model --out out/diagnose50
+  swiftkv diagnose out/x/converted --recipe recipes/swiftkv_smollm2_cpu.yaml --block-layers 5 --out out/d
+  swiftkv diagnose out/distill/smollm2-swiftkv50/model --exact-kv 32 --out out/exact50
 """
 
 
@@ -471,7 +471,7 @@ def build_parser():
     from .check import IntermixedParser
 
     parser = IntermixedParser(
-        prog="python -m distill diagnose",
+        prog="swiftkv diagnose",
         description="Where a SwiftKV student's error comes from: per-block oracle with the teacher's own K/V, "
         "and probes of how predictable the teacher's K/V are (forward passes only).",
         epilog=EPILOG,

@@ -1,6 +1,6 @@
 """Local (layer-wise) distillation of the SwiftKV projections, before the global KD.
 
-The least-squares init (``swiftkv.calibrate``) fits each later layer's keys and values token by token, but what
+The least-squares init (``swiftkv.lstsq_init``) fits each later layer's keys and values token by token, but what
 the layer passes on is its attention output, and there the fitted K/V are still far off (on SmolLM2 at 50%,
 relative attention-output errors of 0.2-0.5 in most later layers after the fit).  This stage trains every
 group's ``q_proj_swiftkv`` (each member) and ``k/v_proj_swiftkv`` (the leader) so that the SwiftKV attention
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from swiftkv.calibrate import Batch, is_distributed, on_device, sum_across_ranks
+from swiftkv.lstsq_init import Batch, is_distributed, on_device, sum_across_ranks
 
 
 def _trainable(model: nn.Module, leader: int, members: list[int]) -> dict[str, nn.Linear]:

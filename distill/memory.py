@@ -24,7 +24,7 @@ The numbers follow what this toolkit's training step keeps alive, not a generic 
   naive two-pass baseline (``shared_lower_layers: false``) also holds both passes' logits and hidden states.
 * **Communication buffers** from the DeepSpeed config: the gradient reduce bucket (two with ``overlap_comm``),
   the ZeRO-1/2 parameter all-gather bucket and the ZeRO-3 prefetch bucket, each capped by what there is to move.
-* **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.calibrate``), a separate phase before the
+* **Least-squares init** (``model.swiftkv.init: lstsq``, ``swiftkv.lstsq_init``), a separate phase before the
   optimizer exists: one layer's weights (plus the ZeRO-3 shards), H^T H, the ridge system and its LU factor
   (``3 x 8 (h+1)^2``), one group's K/V moments and copy weights (``4 x 8 (h+1) K d``), and one micro-batch of
   activations (a layer's forward plus the float64 features, ``8 (h+1)`` per token).
@@ -238,7 +238,7 @@ def comm_buffers(params: Params, par: Parallel, grad_bytes: int = 2) -> dict[str
 
 
 def lstsq_init(s: Shape, params: Params, b: Batch, par: Parallel, weight_bytes: int = 2) -> dict[str, int]:
-    """Per-GPU bytes of the least-squares K/V init (``swiftkv.calibrate``), which runs before the optimizer
+    """Per-GPU bytes of the least-squares K/V init (``swiftkv.lstsq_init``), which runs before the optimizer
     exists, layer by layer on every rank: one layer's weights (gathered under ZeRO-3, beside this rank's
     shards), H^T H with the ridge system and its LU factor, one group's K/V moments and copy weights (float64),
     and one micro-batch of activations (the batches' hidden states wait on the host)."""

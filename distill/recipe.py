@@ -26,7 +26,7 @@ SHIPPED_RECIPES = Path(str(importlib.resources.files("distill") / "recipes"))
 def recipe_path(recipe: str | Path) -> Path:
     """A recipe file: an existing path, else the name of a shipped one (``.yaml`` optional); every caller (the
     main job, ``distill sweep``) looks recipes up here."""
-    from swiftkv.cliargs import UsageError
+    from toolkit.cliargs import UsageError
 
     path = Path(recipe).expanduser()
     if path.is_file():
@@ -53,7 +53,7 @@ class SwiftKVOptions(_Section):
     init: Literal["copy", "lstsq"] = Field(
         "copy",
         description="K/V projections of SwiftKV layers: copies/group means (the paper), or least-squares fits to "
-        "the teacher's keys/values on the first training rows (swiftkv.calibrate)",
+        "the teacher's keys/values on the first training rows (swiftkv.lstsq_init)",
     )
     init_rows: int = Field(32, ge=1, description="training rows (of data.seq_len tokens) for init: lstsq")
     init_ridge: float = Field(1e-3, ge=0, description="ridge, relative to the mean feature energy")

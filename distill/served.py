@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from swiftkv.assets import iter_conversations
-from swiftkv.cliargs import UsageError
 from swiftkv.modeling_swiftkv import exact_kv_positions
+from toolkit.assets import iter_conversations
+from toolkit.cliargs import UsageError
 
 from .data import pack, render_conversation
 from .objective import metrics_from_sums, token_agreement

@@ -1,4 +1,4 @@
-"""How many layers can a model skip?  ``python -m distill sweep MODEL --fractions ... --budget-tokens N``.
+"""How many layers can a model skip?  ``swiftkv sweep MODEL --fractions ... --budget-tokens N``.
 
 For each candidate fraction the recipe's own distillation runs with only the number of SwiftKV layers
 changed: the same data, seed, init (the least-squares fit in the CPU recipe) and schedule, stretched to the
@@ -19,17 +19,17 @@ import math
 import os
 from pathlib import Path
 
-from swiftkv.artifacts import write_json_atomic
-from swiftkv.cliargs import ArgumentParser, UsageError, add_model, add_out, float_list, run
 from swiftkv.convert import ConversionError, read_config, resolve_num_key_value_layers
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
+from toolkit.artifacts import write_json_atomic
+from toolkit.cliargs import ArgumentParser, UsageError, add_model, add_out, float_list, run
 
 from .recipe import SHIPPED_RECIPES, Recipe, SwiftKVOptions, recipe_path
 
 RECIPE = SHIPPED_RECIPES / "swiftkv_smollm2_cpu.yaml"
 RESULT = "sweep_result.json"
 EPILOG = """examples:
-  python -m distill sweep ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
+  swiftkv sweep ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
   accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill sweep MODEL \\
       --recipe recipes/swiftkv_llama3.1_8b.yaml --fractions 0.25,0.375,0.5 --budget-tokens 50000000 --out sweep/
@@ -313,7 +313,7 @@ def build_parser() -> ArgumentParser:
     from .check import IntermixedParser
 
     parser = IntermixedParser(
-        prog="python -m distill sweep",
+        prog="swiftkv sweep",
         description="Distill a model at several SwiftKV fractions for the same token budget and report quality "
         "against the FLOP-ideal prefill speedup, with the largest fraction within a quality budget.",
         epilog=EPILOG,

@@ -35,12 +35,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swiftkv.artifacts import write_json_atomic
-from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.card import quality_section
-from swiftkv.checkpoint import open_checkpoint
-from swiftkv.cliargs import UsageError
 from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
+from swiftkv.lstsq_init import fit_swiftkv_kv
+from toolkit.artifacts import write_json_atomic
+from toolkit.checkpoint import open_checkpoint
+from toolkit.cliargs import UsageError
 
 from .comm import AdaRevision, CommState, attach_comm_hook
 from .comm.config import require_ddp_path
@@ -106,7 +106,7 @@ def converted_source(recipe: Recipe, accelerator: Accelerator, source: Path) -> 
 def init_swiftkv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
     """Start a freshly converted model's SwiftKV projections closer to the teacher than the copies:
     ``model.swiftkv.init: lstsq`` fits the K/V projections to the teacher's keys/values on the first
-    ``init_rows`` training rows (``swiftkv.calibrate``), then ``local_steps > 0`` trains each group's projections
+    ``init_rows`` training rows (``swiftkv.lstsq_init``), then ``local_steps > 0`` trains each group's projections
     on the teacher's attention outputs of the first ``local_rows`` rows (``distill.local``).  Every rank takes
     part on its share of the rows, layer by layer on its device (ZeRO-3: one gathered layer or group at a
     time), so the whole model never has to fit on one device."""
@@ -427,7 +427,7 @@ def _running_checkpoint(
 
     from accelerate.utils import gather_object
 
-    from swiftkv.cliargs import one_line
+    from toolkit.cliargs import one_line
 
     from .scar.running import (
         RunningCheckpoint,

@@ -1,11 +1,11 @@
 """The main job: convert -> distill -> evaluate -> report, resumable, for the embedded default or any model.
 
-``run_job()`` runs every stage through ``eval.pipeline.run_stage``: a stage is skipped when its inputs are
+``run_job()`` runs every stage through ``toolkit.stages.run_stage``: a stage is skipped when its inputs are
 unchanged and reruns (with everything downstream) when they change; an interrupted distillation resumes from
 its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
 
 The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub id, checked by
-``swiftkv.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, so a
+``toolkit.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, so a
 non-editable install has them too: ``distill.recipe.recipe_path``) or a path.  ``device`` and
 ``dtype`` place the evaluation stages (quality, speed, lm-eval; ``eval.quality.load_for_eval``); the
 distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``): in this process (one GPU
@@ -33,10 +33,10 @@ import torch
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
 LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
-  python -m eval run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
-  python -m eval run --quick         # tiny settings (a few minutes; the tests run this)
-  python -m eval run --out out/demo --fractions 0.5 --distill-steps 60
-  python -m eval run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml --fractions 0.5 \\
+  swiftkv run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
+  swiftkv run --quick         # tiny settings (a few minutes; the tests run this)
+  swiftkv run --out out/demo --fractions 0.5 --distill-steps 60
+  swiftkv run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml --fractions 0.5 \\
       --launch recipes/accelerate/8gpu_zero2.yaml --device auto --dtype bfloat16 --out out/llama8b
 """
 
@@ -111,14 +111,14 @@ def run_job(
     -m distill ...`` (all the GPUs it names) instead of in this process."""
     from distill.check import load_recipe_or_usage
     from distill.recipe import recipe_path
-    from swiftkv.artifacts import read_provenance
-    from swiftkv.assets import fetch_model, fetch_sharegpt
     from swiftkv.card import quality_section, set_quality
-    from swiftkv.checkpoint import open_checkpoint
-    from swiftkv.cliargs import UsageError
+    from toolkit.artifacts import read_provenance
+    from toolkit.assets import fetch_model, fetch_sharegpt
+    from toolkit.checkpoint import open_checkpoint
+    from toolkit.cliargs import UsageError
+    from toolkit.stages import run_stage
 
     from .harness import run_harness
-    from .pipeline import run_stage
     from .quality import check_placement, evaluate_quality
     from .report import write_report
     from .tasks import write_tasks
@@ -147,7 +147,7 @@ def run_job(
             " --quick" if quick else "",
         ]
     )
-    commands = [f"python -m eval run --out {run_dir}{flags}"]
+    commands = [f"swiftkv run --out {run_dir}{flags}"]
     t0 = time.time()
     if source is not None:
         base_key = f"{source.name}@{source.revision}" if source.revision else str(base)
@@ -212,7 +212,7 @@ def run_job(
                 Path(v["dir"]),
                 quality_section(
                     v["quality"],
-                    f"`python -m eval run` ({dtype} on {device}): on {cfg['quality']['n_conversations']} "
+                    f"`swiftkv run` ({dtype} on {device}): on {cfg['quality']['n_conversations']} "
                     "held-out ShareGPT conversations against the teacher (KL at T = 1, top-1 agreement, "
                     "perplexities; all prompt: every position as a prompt token; served: each reply with "
                     "everything before it as prompt, as a server computes it) and greedy agreement on "
@@ -241,10 +241,10 @@ def run_job(
             ),
         )
         commands.append(
-            f"python -m eval harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc "
+            f"swiftkv harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc "
             f"--tasks-dir {tasks_dir} --limit {cfg['harness']['limit']} --device {device} --dtype {dtype}"
         )
-    commands.append(f"python -m eval report {run_dir}")
+    commands.append(f"swiftkv report {run_dir}")
     name = source.name if source is not None else str(base)
     write_run_json(run_dir, name, cfg, measured, variants, speed, commands, time.time() - t0, device, dtype)
     return write_report(run_dir)
@@ -298,9 +298,9 @@ def write_run_json(
     run_dir, model, cfg, measured, variants, speed, commands, seconds, device="cpu", dtype="float32"
 ) -> None:
     """``RUN_DIR/run.json`` (the schema in the module docstring), written atomically."""
-    from swiftkv.artifacts import write_json_atomic
     from swiftkv.convert import read_config
     from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
+    from toolkit.artifacts import write_json_atomic
 
     rows = []
     quality = {v["name"]: v["quality"] for v in variants}

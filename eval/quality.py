@@ -1,6 +1,6 @@
 """Quality of a SwiftKV checkpoint against its own teacher (the same weights in original mode).
 
-On held-out conversations (the held-out split of the embedded ShareGPT, ``swiftkv.assets``, which training
+On held-out conversations (the held-out split of the embedded ShareGPT, ``toolkit.assets``, which training
 never reads; or a file of the user's own): KL(teacher || student) at T=1 and top-1 agreement over assistant
 tokens, teacher and student perplexity on those tokens, and greedy-generation agreement on held-out prompts
 (the share of generated tokens before the first divergence).  A non-SwiftKV checkpoint is its own teacher:
@@ -41,8 +41,8 @@ from tqdm.auto import tqdm
 from distill.data import pack, render_conversation
 from distill.objective import agreement_metrics, metrics_from_sums
 from distill.served import conversation_samples, metrics, served_sums
-from swiftkv.assets import iter_conversations
-from swiftkv.cliargs import UsageError
+from toolkit.assets import iter_conversations
+from toolkit.cliargs import UsageError
 
 from .speed import input_device
 from .tasks import held_out_pairs

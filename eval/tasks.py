@@ -9,7 +9,7 @@ user cache, so the tasks are written on demand into a folder that both the in-pr
 * ``sharegpt_mc``: response selection, a 4-way multiple choice: which of four assistant replies answers this
   user turn (the true one and three replies to other conversations, fixed by a seed).
 
-Documents come from the held-out split of the embedded ShareGPT (``swiftkv.assets``: the end of the file); the
+Documents come from the held-out split of the embedded ShareGPT (``toolkit.assets``: the end of the file); the
 recipes, calibration and traces read only its train split, so the two never overlap.
 """
 
@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from swiftkv.assets import iter_conversations
+from toolkit.assets import iter_conversations
 
 TASKS = ("sharegpt_ppl", "sharegpt_mc")
 _PPL = """task: sharegpt_ppl

@@ -19,11 +19,11 @@ from .policy import Policy
 
 
 def read_policy(factors_dir: str | os.PathLike) -> Policy:
-    """The default policy saved by ``kvcompress calibrate``."""
+    """The default policy saved by ``swiftkv kvcompress calibrate``."""
     path = Path(factors_dir) / POLICY_FILE
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} not found; to resolve, pass policy=... or re-run `kvcompress calibrate`"
+            f"{path} not found; to resolve, pass policy=... or re-run `swiftkv kvcompress calibrate`"
         )
     return Policy.model_validate(json.loads(path.read_text()))
 

@@ -98,7 +98,7 @@ class TaleLayer(CacheLayerMixin):
         if self.factors is None:
             raise ValueError(
                 f"layer {self.layer_idx} has no low-rank factors but received KV; to resolve, calibrate this model "
-                "(`kvcompress calibrate`) so every layer that writes KV has factors"
+                "(`swiftkv kvcompress calibrate`) so every layer that writes KV has factors"
             )
         if self.unread:
             raise RuntimeError(

@@ -1,4 +1,4 @@
-"""``kvcompress calibrate``: low-rank KV bases from calibration activations.
+"""``swiftkv kvcompress calibrate``: low-rank KV bases from calibration activations.
 
 The K/V that matter are exactly what the model hands to ``cache.update`` — post-RoPE keys and values, for
 the layers that own KV — so calibration runs the model with a recording cache (``MomentLayer``) and
@@ -160,7 +160,7 @@ def chat_sequences(
 ) -> Iterator[torch.Tensor]:
     """Up to ``count`` ``(1, length)`` token tensors: chat-formatted conversations of ``split`` from the
     ``offset``-th on, joined; with ``tail``, a last shorter one when the data runs out."""
-    from swiftkv.assets import iter_conversations
+    from toolkit.assets import iter_conversations
 
     buffer: list[int] = []
     made = 0
@@ -203,8 +203,8 @@ def calibrate(
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from swiftkv.artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
-    from swiftkv.assets import resolve_data_path
+    from toolkit.artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
+    from toolkit.assets import resolve_data_path
 
     if samples < 1 or max_length < 2:
         raise ValueError(

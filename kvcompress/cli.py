@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_checkpoint,
     add_force,
@@ -14,8 +14,8 @@ from swiftkv.cliargs import (
 )
 
 EPILOG = """examples:
-  kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 8,4,2
-  kvcompress calibrate models/smollm2 --out out/kv --limit 32 --max-length 256 --force
+  swiftkv kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 8,4,2
+  swiftkv kvcompress calibrate models/smollm2 --out out/kv --limit 32 --max-length 256 --force
 then:
   python -c "from kvcompress import load_compressed; m, cache = load_compressed('models/smollm2', 'out/kv')"
 """
@@ -23,7 +23,7 @@ then:
 
 def build_parser() -> ArgumentParser:
     parser, sub = command_parser(
-        "kvcompress", "Token-adaptive low-rank + multi-level quantized KV cache (TALE).", EPILOG
+        "swiftkv kvcompress", "Token-adaptive low-rank + multi-level quantized KV cache (TALE).", EPILOG
     )
     cal = sub.add_parser("calibrate", help="compute low-rank KV factors and a default policy")
     add_checkpoint(cal, "model_dir", help="model folder or Hub id (Llama family, or a SwiftKV checkpoint)")
@@ -58,7 +58,7 @@ OPTIONS = ("data", "max_length", "rank_budget", "bits", "sinks", "window", "bloc
 
 
 def _calibrate(args) -> str:
-    from swiftkv.checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
 
     from .calibrate import calibrate
 

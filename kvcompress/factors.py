@@ -1,4 +1,4 @@
-"""Low-rank KV bases per layer and KV head: the artifact ``kvcompress calibrate`` writes.
+"""Low-rank KV bases per layer and KV head: the artifact ``swiftkv kvcompress calibrate`` writes.
 
 A factors directory holds ``factors.safetensors`` (tensors), ``factors.json`` (what model they fit),
 ``policy.json`` (the default compression policy chosen at calibration) and ``provenance.json``.
@@ -61,14 +61,14 @@ class Factors:
             if self.meta.get(key) != value:
                 raise ValueError(
                     f"factors {self.meta.get('source', '?')} were calibrated for {key}={self.meta.get(key)!r} but the "
-                    f"model has {key}={value!r}; to resolve, run `kvcompress calibrate` on this model"
+                    f"model has {key}={value!r}; to resolve, run `swiftkv kvcompress calibrate` on this model"
                 )
         if model is not None and "key_fingerprint" in self.meta:
             got, want = torch.tensor(key_fingerprint(model)), torch.tensor(self.meta["key_fingerprint"])
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-2, atol=1e-3):
                 raise ValueError(
                     f"factors {self.meta.get('source', '?')} were calibrated on other weights (first k_proj entries "
-                    "differ); to resolve, run `kvcompress calibrate` on this model"
+                    "differ); to resolve, run `swiftkv kvcompress calibrate` on this model"
                 )
 
 
@@ -126,7 +126,7 @@ def save_factors(factors: Factors, out_dir: str | os.PathLike) -> None:
 
 
 def load_factors(factors_dir: str | os.PathLike) -> Factors:
-    """Read a factors directory written by ``kvcompress calibrate``."""
+    """Read a factors directory written by ``swiftkv kvcompress calibrate``."""
     from safetensors.torch import load_file
 
     factors_dir = Path(factors_dir)
@@ -134,13 +134,13 @@ def load_factors(factors_dir: str | os.PathLike) -> Factors:
     if not meta_path.is_file() or not tensor_path.is_file():
         raise FileNotFoundError(
             f"{factors_dir} is not a factors directory (needs {META_FILE} and {FACTORS_FILE}); "
-            "to resolve, run `kvcompress calibrate MODEL_DIR OUT_DIR`"
+            "to resolve, run `swiftkv kvcompress calibrate MODEL_DIR OUT_DIR`"
         )
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{meta_path} has format_version {meta.get('format_version')}, this kvcompress reads {FORMAT_VERSION}; "
-            "to resolve, re-run `kvcompress calibrate`"
+            "to resolve, re-run `swiftkv kvcompress calibrate`"
         )
     tensors = load_file(str(tensor_path))
     layers = {

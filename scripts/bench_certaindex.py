@@ -23,8 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from swiftkv.assets import model_dir
-from swiftkv.cliargs import ArgumentParser, add_dtype, add_limit, add_out, add_seed, existing_path, run
+from toolkit.assets import model_dir
+from toolkit.cliargs import ArgumentParser, add_dtype, add_limit, add_out, add_seed, existing_path, run
 
 EPILOG = """examples:
   flock /tmp/bench.lock python scripts/bench_certaindex.py \\
@@ -210,7 +210,7 @@ def bench(args) -> None:
     from eval.serving.certaindex.data import arithmetic
     from eval.serving.certaindex.hf_backend import HFBackend
     from eval.serving.certaindex.records import run_resumable
-    from swiftkv.artifacts import write_json_atomic
+    from toolkit.artifacts import write_json_atomic
 
     torch.set_num_threads(args.threads)
     backend = HFBackend.from_pretrained(args.model, args.dtype)

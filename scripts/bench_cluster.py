@@ -24,7 +24,7 @@ from distill.cluster.sia import goodput_matrix, solve
 from distill.cluster.simulator import simulate
 from distill.cluster.spec import Cluster, load_cluster
 from distill.cluster.trace import generate_trace
-from swiftkv.cliargs import ArgumentParser, add_limit, add_out, existing_path, run
+from toolkit.cliargs import ArgumentParser, add_limit, add_out, existing_path, run
 
 POLICIES = ("sia", "pollux", "gavel-tuned", "gavel", "fifo")
 BASELINES = POLICIES[1:]

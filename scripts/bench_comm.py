@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distill.comm import AdaRevision, CommConfig, register_comm_hook
-from swiftkv.artifacts import write_json_atomic
-from swiftkv.cliargs import ArgumentParser, add_out, run
+from toolkit.artifacts import write_json_atomic
+from toolkit.cliargs import ArgumentParser, add_out, run
 
 DIM, HIDDEN, OUT, BATCH = 32, 256, 8, 32
 

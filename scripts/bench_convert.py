@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from swiftkv.artifacts import write_json_atomic  # noqa: E402
-from swiftkv.cliargs import ArgumentParser, UsageError, add_out, add_seed, run  # noqa: E402
+from toolkit.artifacts import write_json_atomic  # noqa: E402
+from toolkit.cliargs import ArgumentParser, UsageError, add_out, add_seed, run  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GIB = 1 << 30

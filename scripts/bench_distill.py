@@ -24,8 +24,8 @@ from distill.objective import DistillationObjective
 from distill.recipe import LossSection
 from eval.quality import held_out_rows
 from eval.speed import interleaved
-from swiftkv.cliargs import ArgumentParser, add_model, add_out, run
 from swiftkv.convert import resolve_num_key_value_layers, to_swiftkv
+from toolkit.cliargs import ArgumentParser, add_model, add_out, run
 
 
 def step_seconds(objective: DistillationObjective, batch: tuple[torch.Tensor, ...]) -> float:

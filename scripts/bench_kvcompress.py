@@ -41,7 +41,7 @@ from kvcompress.evaluate import (
     weight_svd_bases,
 )
 from kvcompress.factors import load_factors
-from swiftkv.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add_out, int_list, run
+from toolkit.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add_out, int_list, run
 
 DEFAULT_METHODS = "full,hf-fp8,quant:4,quant:2,lowrank:8:16,lowrank:16:16,lowrank:16:4,lowrank:24:4,tale:0.25,tale:0.375,tale:0.5"
 
@@ -49,7 +49,7 @@ DEFAULT_METHODS = "full,hf-fp8,quant:4,quant:2,lowrank:8:16,lowrank:16:16,lowran
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__)
     add_model(p)
-    add_model(p, "factors", help="factors directory from `kvcompress calibrate`")
+    add_model(p, "factors", help="factors directory from `swiftkv kvcompress calibrate`")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list (see kvcompress.evaluate)")
     add_limit(p, 6, "held-out sequences for quality")
     p.add_argument("--prefix", type=int, default=1024, help="prefilled tokens per sequence")
@@ -258,7 +258,7 @@ def bench(args) -> None:
         for name, per in bases.items():
             print(f"{name:<28}" + "".join(f"{v:>9.3f}" for v in per.values()))
     if args.out:
-        from swiftkv.artifacts import write_json_atomic
+        from toolkit.artifacts import write_json_atomic
 
         write_json_atomic(
             args.out,

@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from swiftkv.artifacts import write_json_atomic  # noqa: E402
-from swiftkv.cliargs import ArgumentParser, UsageError, add_out, add_seed, run  # noqa: E402
+from toolkit.artifacts import write_json_atomic  # noqa: E402
+from toolkit.cliargs import ArgumentParser, UsageError, add_out, add_seed, run  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2000)]
 CHATML = (

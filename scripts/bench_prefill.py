@@ -22,9 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eval.speed import decode_times, prefill_times
-from swiftkv.cliargs import ArgumentParser, add_model, add_out, int_list, run
 from swiftkv.convert import read_config, resolve_num_key_value_layers, to_swiftkv
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
+from toolkit.cliargs import ArgumentParser, add_model, add_out, int_list, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

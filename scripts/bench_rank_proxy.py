@@ -4,7 +4,7 @@ Run with the vLLM venv's python.  One server with ``--scheduling-policy priority
 cap, so that requests queue); three arms against it, in alternating order per repeat:
 
 * ``fcfs``: the client straight to the server (every request priority 0: arrival order, vLLM's FCFS);
-* ``ranker``: through ``python -m eval.serving.ranking proxy RANKER`` (the core venv), priority from the ngram
+* ``ranker``: through ``swiftkv ranking proxy RANKER`` (the core venv), priority from the ngram
   ranker on the prompt text;
 * ``oracle``: through the proxy with ``--oracle`` (priority = ``max_tokens``, which the client sets to the true
   reply length): the ceiling.
@@ -13,7 +13,7 @@ The client runs ``--dataset-name sharegpt --dataset-path JSON --ignore-eos`` (ea
 length), a burst (``inf``) or Poisson rates.  Reports mean / p50 / p90 end-to-end latency, failures and
 preemptions (the server's ``vllm:num_preemptions_total``) per arm and the FCFS/arm ratios.
 
-    .venv/bin/python -m eval.serving.ranking labels MODEL --out out/sg-heldout --records heldout \\
+    .venv/bin/swiftkv ranking labels MODEL --out out/sg-heldout --records heldout \\
         --sharegpt-json out/sg-heldout.json
     .venv-vllm/bin/python scripts/bench_rank_proxy.py MODEL out/ranker-ngram out/sg-heldout.json \\
         --num-prompts 100 --rates inf --out out/bench/rank-proxy.json

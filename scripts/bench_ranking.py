@@ -29,7 +29,7 @@ from eval.serving.ranking.train import (
     load_ranker,
     train_ranker,
 )
-from swiftkv.cliargs import ArgumentParser, add_model, add_out, existing_path, float_list, run
+from toolkit.cliargs import ArgumentParser, add_model, add_out, existing_path, float_list, run
 
 
 def tau_table(args) -> tuple[dict[str, list[dict]], dict[str, Path]]:
@@ -126,7 +126,7 @@ def latency_table(args, rankers: dict[str, Path]) -> list[dict]:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__)
-    add_model(parser, "traces", help="traces directory (from `python -m eval.serving.ranking traces`)")
+    add_model(parser, "traces", help="traces directory (from `swiftkv ranking traces`)")
     parser.add_argument(
         "--work", type=Path, default=Path("out/bench_ranking"), help="trained rankers (reused)"
     )
@@ -139,9 +139,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--list-size", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--held-out", type=float, default=0.2, help="held-out fraction of each split")
-    parser.add_argument(
-        "--cost-model", type=existing_path, help="JSON from `python -m eval.serving.ranking calibrate`"
-    )
+    parser.add_argument("--cost-model", type=existing_path, help="JSON from `swiftkv ranking calibrate`")
     parser.add_argument("--loads", type=float_list, default=[0.5, 0.9, 1.5], help="offered load / capacity")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--sim-seeds", type=int, default=3)
@@ -206,7 +204,7 @@ def bench(args) -> None:
             f"{r['fcfs_over_policy_mean_latency']:.2f}x"
         )
     if args.out:
-        from swiftkv.artifacts import write_json_atomic
+        from toolkit.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": vars(args), "tau": summary, "latency": rows})
         print(json.dumps({"written": str(args.out)}))

@@ -68,8 +68,8 @@ from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, kill_process, pick_blocks
 from distill.scar.running import RunningCheckpoint
 from eval.report import read_curve
-from swiftkv.artifacts import write_json_atomic
-from swiftkv.cliargs import ArgumentParser, add_out, existing_path, run
+from toolkit.artifacts import write_json_atomic
+from toolkit.cliargs import ArgumentParser, add_out, existing_path, run
 
 STRATEGIES = ("full+rollback", "full+partial", "scar-max-change", "scar-round-robin", "scar-random")
 
@@ -265,7 +265,7 @@ def tiny_trainer_run(root: Path, args) -> dict:
     distilling it on ShareGPT (the real trainer, one process)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from swiftkv.assets import model_dir
+    from toolkit.assets import model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir())
     torch.manual_seed(0)
@@ -300,7 +300,7 @@ def tiny_trainer_run(root: Path, args) -> dict:
 def smollm2_trainer_run(root: Path, args) -> dict:
     """The CPU recipe's SwiftKV 50% distillation of the embedded SmolLM2-135M (its loss, optimizer and
     least-squares init), at a shorter sequence so that a trial takes minutes."""
-    from swiftkv.assets import model_dir
+    from toolkit.assets import model_dir
 
     return {
         "model": {

@@ -18,7 +18,7 @@ against each in turn, the order alternating from repeat to repeat (A B, B A, ...
   rounds (round r + 1 asks to improve round r's answer, which it then largely repeats).  Greedy.  vLLM's
   method needs arctic-inference's C++ suffix tree: ``--arctic-path`` puts a build of it on the servers' path.
 * ``ranking MODEL``: FCFS against ``--scheduling-policy priority`` with priorities from the ranker (sent as
-  ``python -m eval vllm-args`` prints: ``-round(score * 1000)``) and from the true reply lengths (oracle), on
+  ``swiftkv vllm-args`` prints: ``-round(score * 1000)``) and from the true reply lengths (oracle), on
   traces of mixed reply lengths (each request generates exactly its trace's reply length), in a KV cache small
   enough that requests wait; beside the simulator's prediction (``eval.serving.ranking.simulator``) for the
   same requests, arrivals, token budget and KV capacity.  The scores come first from ``scores RANKER TRACES``,
@@ -66,7 +66,9 @@ from pathlib import Path
 from typing import Any
 
 from eval.serving.vllm.cpu import cpu_environment
-from swiftkv.cliargs import (
+from swiftkv.convert import read_config
+from swiftkv.flops import Shape, ideal_workload_speedup, kv_bytes_per_token
+from toolkit.cliargs import (
     ArgumentParser,
     UsageError,
     add_model,
@@ -76,8 +78,6 @@ from swiftkv.cliargs import (
     existing_path,
     run,
 )
-from swiftkv.convert import read_config
-from swiftkv.flops import Shape, ideal_workload_speedup, kv_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -300,7 +300,7 @@ def interleave(labels: list[str], repeat: int) -> list[str]:
 
 def heldout_texts() -> Iterator[str]:
     """Held-out ShareGPT conversations as plain text, turn after turn (never the training split)."""
-    from swiftkv.assets import iter_conversations
+    from toolkit.assets import iter_conversations
 
     for messages in iter_conversations("sharegpt", split="heldout"):
         yield "\n\n".join(m["content"] for m in messages)
@@ -571,7 +571,7 @@ def check_arctic(site: Path | None) -> None:
 
 def tasks(count: int, skip: int, max_chars: int) -> list[str]:
     """Held-out first user turns of 80 to ``max_chars`` characters, from the ``skip``-th on."""
-    from swiftkv.assets import iter_prompts
+    from toolkit.assets import iter_prompts
 
     found = (
         p.strip() for p in iter_prompts("sharegpt", split="heldout") if 80 <= len(p.strip()) <= max_chars

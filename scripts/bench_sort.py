@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from eval.serving.ranking import multipivot as mp
-from swiftkv.cliargs import ArgumentParser, add_out, add_seed, run
+from toolkit.cliargs import ArgumentParser, add_out, add_seed, run
 
 
 def count_table(n: int, cache_n: int, block: int, blocks: int, cutoff: int, seed: int) -> list[dict]:
@@ -107,7 +107,7 @@ def bench(args) -> None:
     else:
         print("\nnumba is not installed: no compiled timings (pip install numba)")
     if args.out:
-        from swiftkv.artifacts import write_json_atomic
+        from toolkit.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": vars(args), "counts": rows, "timing_s": timing})
         print(json.dumps({"written": str(args.out)}))

@@ -35,8 +35,8 @@ from eval.serving.suffix.artifact import load_cache
 from eval.serving.suffix.cache import SpecConfig, SuffixCache
 from eval.serving.suffix.decode import speculative_generate
 from eval.serving.suffix.stages import chat_ids
-from swiftkv.assets import iter_prompts
-from swiftkv.cliargs import ArgumentParser, add_limit, add_model, add_out, existing_path, run
+from toolkit.assets import iter_prompts
+from toolkit.cliargs import ArgumentParser, add_limit, add_model, add_out, existing_path, run
 
 TASKS = [
     "Write a short product description for a reusable water bottle.",
@@ -426,7 +426,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--cache",
         type=existing_path,
-        help="pre-built suffix cache for the sharegpt workload (from `python -m eval.serving.suffix build`)",
+        help="pre-built suffix cache for the sharegpt workload (from `swiftkv suffix build`)",
     )
     p.add_argument("--tasks", type=int, default=2, help="agentic tasks (each refined --rounds times)")
     p.add_argument("--rounds", type=int, default=3)
@@ -445,7 +445,7 @@ def bench(args) -> None:
     results = measure(args)
     print_table(results)
     if args.out:
-        from swiftkv.artifacts import write_json_atomic
+        from toolkit.artifacts import write_json_atomic
 
         write_json_atomic(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results})
 

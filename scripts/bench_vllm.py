@@ -28,9 +28,9 @@ import time
 
 from eval.serving.vllm.cpu import cpu_environment, make_llm
 from eval.speed import interleaved
-from swiftkv.cliargs import ArgumentParser, add_dtype, add_model, add_out, int_list, run
 from swiftkv.convert import read_config
 from swiftkv.flops import Shape, ideal_prefill_speedup
+from toolkit.cliargs import ArgumentParser, add_dtype, add_model, add_out, int_list, run
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:

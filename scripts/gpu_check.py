@@ -56,10 +56,10 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, CompileConfig, DynamicCache, LlamaConfig  # noqa: E402
 from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
-from swiftkv.artifacts import write_json_atomic  # noqa: E402
-from swiftkv.cliargs import ArgumentParser, add_out, add_seed, int_list, run  # noqa: E402
 from swiftkv.convert import resolve_num_key_value_layers, to_swiftkv  # noqa: E402
 from swiftkv.flops import Shape, ideal_prefill_speedup  # noqa: E402
+from toolkit.artifacts import write_json_atomic  # noqa: E402
+from toolkit.cliargs import ArgumentParser, add_out, add_seed, int_list, run  # noqa: E402
 
 # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B), and a tiny config with the same structure
 LLAMA31_8B = dict(
@@ -315,7 +315,7 @@ def prefill_latency(models, device, clock: Clock, lengths: list[int], repeats: i
 
 
 def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
-    """``python -m eval quality`` on ``device`` in bfloat16 and float32 (check 4 of the module docstring)."""
+    """``swiftkv quality`` on ``device`` in bfloat16 and float32 (check 4 of the module docstring)."""
     import json
     import tempfile
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from swiftkv.cliargs import ArgumentParser, UsageError, add_out, run
+from toolkit.cliargs import ArgumentParser, UsageError, add_out, run
 
 REPO = Path(__file__).resolve().parents[1]
 

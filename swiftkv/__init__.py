@@ -7,6 +7,8 @@ e.g. a ranker reading x_l loads) works without ``trust_remote_code``.
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from toolkit import __version__  # noqa: F401  (swiftkv.__version__, as before the shared base moved)
+
 from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 from .modeling_swiftkv import (
     LlamaSwiftKVForCausalLM,
@@ -16,8 +18,6 @@ from .modeling_swiftkv import (
     Qwen3SwiftKVForCausalLM,
     Qwen3SwiftKVModel,
 )
-
-__version__ = "0.1.0"
 
 for _config, _decoder, _model in (
     (LlamaSwiftKVConfig, LlamaSwiftKVModel, LlamaSwiftKVForCausalLM),

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import read_provenance
-from .checkpoint import hub_origin
+from toolkit.artifacts import read_provenance
+from toolkit.checkpoint import hub_origin
 
 CARD_FILE = "README.md"
 LICENCE_PATTERNS = ("LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
@@ -153,7 +153,7 @@ def write_card(
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    from . import __version__
+    from toolkit import __version__
 
     base, revision = source_identity(src)
     inherited = card_metadata(src)

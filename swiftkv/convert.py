@@ -33,14 +33,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .artifacts import (
+from toolkit.artifacts import (
     atomic_output_dir,
     check_destination,
     write_json_atomic,
     write_provenance,
 )
+from toolkit.checkpoint import FAMILIES, read_config, weight_files
+
 from .card import CARD_FILE, copy_licence_files, source_identity, write_card
-from .checkpoint import FAMILIES, read_config, weight_files
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from swiftkv.artifacts import cache_dir
+from toolkit.artifacts import cache_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
@@ -91,7 +91,7 @@ def require(available: bool, what: str, fix: str) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from swiftkv.assets import model_dir
+    from toolkit.assets import model_dir
 
     path = model_dir()
     require((path / "config.json").is_file(), f"embedded SmolLM2 at {path}", "run `swiftkv fetch model`")
@@ -100,7 +100,7 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def sharegpt() -> Path:
-    from swiftkv.assets import sharegpt_path
+    from toolkit.assets import sharegpt_path
 
     path = sharegpt_path()
     require(path.is_file(), f"ShareGPT at {path}", "run `swiftkv fetch sharegpt`")

@@ -67,13 +67,13 @@ def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
 
 
 def distill(recipe: Path, *overrides: str, expect: int = 0) -> str:
-    """``python -m distill RECIPE OVERRIDES`` in one process; its stdout and stderr."""
+    """``swiftkv distill RECIPE OVERRIDES`` in one process; its stdout and stderr."""
     result = run([PY, "-m", "distill", str(recipe), *overrides], expect)
     return result.stdout + result.stderr
 
 
 def refused(capsys, recipe: Path, *overrides: str, alone: bool = True) -> str:
-    """``python -m distill RECIPE OVERRIDES`` run in this process (no Python start to pay), expected to refuse
+    """``swiftkv distill RECIPE OVERRIDES`` run in this process (no Python start to pay), expected to refuse
     with status 2 before any training; its error, the last stderr line (``alone``: the only one)."""
     from accelerate.state import AcceleratorState
 
@@ -100,7 +100,7 @@ def killed_at(tmp_path: Path, at: str, *target: str, **launch) -> Job:
 def launched(
     tmp_path: Path, config: str | None, recipe: Path, *overrides: str, processes: int = 2, **kw
 ) -> Job:
-    """``python -m distill RECIPE OVERRIDES`` run to the end on ``processes`` ranks: accelerate launch with one
+    """``swiftkv distill RECIPE OVERRIDES`` run to the end on ``processes`` ranks: accelerate launch with one
     of the shipped CPU configs, or torch.distributed.run (DDP) without one; the finished Job, for its output."""
     target = kw.pop("target", ("-m", "distill"))
     with Job(tmp_path / "launches", (*target, recipe, *overrides), processes, config, **kw) as job:

@@ -17,7 +17,7 @@ from tiny_chat import byte_tokenizer, save_chat_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from distill.__main__ import main as distill_main
-from eval.__main__ import main as eval_main
+from eval.cli import main as eval_main
 from kvcompress.cli import main as kvcompress_main
 from swiftkv.cli import main as swiftkv_main
 
@@ -25,7 +25,10 @@ M, OUT, RECIPE, DATA = "{model}", "{out}", "{recipe}", "{data}"
 ENTRY_POINTS = {
     "swiftkv convert": (swiftkv_main, ["convert", M, OUT, "--swiftkv-fraction", "0.5"]),
     "swiftkv info": (swiftkv_main, ["info", M]),
-    "kvcompress calibrate": (kvcompress_main, ["calibrate", M, "--out", OUT, "--data", DATA, "--limit", "2"]),
+    "swiftkv kvcompress calibrate": (
+        kvcompress_main,
+        ["calibrate", M, "--out", OUT, "--data", DATA, "--limit", "2"],
+    ),
     "distill": (distill_main, [RECIPE]),
     "distill check": (distill_main, ["check", RECIPE]),
     "eval run": (eval_main, ["run", M, "--out", OUT, "--quick"]),

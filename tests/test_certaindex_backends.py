@@ -15,9 +15,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from eval.serving.certaindex.__main__ import main
 from eval.serving.certaindex.answers import PROBE_SUFFIX
 from eval.serving.certaindex.backends import Sampling
+from eval.serving.certaindex.cli import main
 from eval.serving.certaindex.cot import run_cot
 from eval.serving.certaindex.hf_backend import HFBackend
 from eval.serving.certaindex.http_backend import OpenAIBackend

@@ -34,24 +34,24 @@ CASES = [
     ("distill.cluster.cli", ["launch-configs", MISSING, "--out", OUT]),
     ("distill.cluster.cli", ["trace", MISSING, "--out", OUT]),
     ("distill.cluster.cli", ["simulate", MISSING, MISSING, "--out", OUT]),
-    ("eval.__main__", ["run", "--out", OUT, "--fractions", "1.5"]),  # bad input, refused before any work
-    ("eval.__main__", ["harness", MISSING, "--tasks", "sharegpt_ppl", "--tasks-dir", OUT]),
-    ("eval.__main__", ["quality", MISSING]),
-    ("eval.__main__", ["report", MISSING]),
-    ("eval.__main__", ["vllm-args", MISSING]),
-    ("eval.serving.suffix.__main__", ["build", MISSING, "--out", OUT]),
-    ("eval.serving.suffix.__main__", ["generate", MISSING, "--prompts", MISSING]),
-    ("eval.serving.suffix.__main__", ["export-vllm", MISSING]),
-    ("eval.serving.ranking.__main__", ["traces", MISSING, "--out", OUT]),
-    ("eval.serving.ranking.__main__", ["train", MISSING, "--out", OUT]),
-    ("eval.serving.ranking.__main__", ["evaluate", MISSING, MISSING, "--out", OUT]),
-    ("eval.serving.ranking.__main__", ["calibrate", MISSING, "--out", OUT]),
-    ("eval.serving.ranking.__main__", ["simulate", MISSING, MISSING, "--out", OUT]),
+    ("eval.cli", ["run", "--out", OUT, "--fractions", "1.5"]),  # bad input, refused before any work
+    ("eval.cli", ["harness", MISSING, "--tasks", "sharegpt_ppl", "--tasks-dir", OUT]),
+    ("eval.cli", ["quality", MISSING]),
+    ("eval.cli", ["report", MISSING]),
+    ("eval.cli", ["vllm-args", MISSING]),
+    ("eval.serving.suffix.cli", ["build", MISSING, "--out", OUT]),
+    ("eval.serving.suffix.cli", ["generate", MISSING, "--prompts", MISSING]),
+    ("eval.serving.suffix.cli", ["export-vllm", MISSING]),
+    ("eval.serving.ranking.cli", ["traces", MISSING, "--out", OUT]),
+    ("eval.serving.ranking.cli", ["train", MISSING, "--out", OUT]),
+    ("eval.serving.ranking.cli", ["evaluate", MISSING, MISSING, "--out", OUT]),
+    ("eval.serving.ranking.cli", ["calibrate", MISSING, "--out", OUT]),
+    ("eval.serving.ranking.cli", ["simulate", MISSING, MISSING, "--out", OUT]),
     *[
-        ("eval.serving.certaindex.__main__", [cmd, MISSING, "--data", "arith:2", "--out", OUT])
+        ("eval.serving.certaindex.cli", [cmd, MISSING, "--data", "arith:2", "--out", OUT])
         for cmd in ("cot", "sc", "calibrate")
     ],
-    ("eval.serving.certaindex.__main__", ["serve", MISSING]),
+    ("eval.serving.certaindex.cli", ["serve", MISSING]),
 ]
 
 # scripts/*.py with an input path, loaded with runpy (they are files, not an importable package)

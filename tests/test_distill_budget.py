@@ -1,4 +1,4 @@
-"""``distill.budget`` and the run plans of ``python -m distill check``: FLOPs per row against torch's own FLOP
+"""``distill.budget`` and the run plans of ``swiftkv check``: FLOPs per row against torch's own FLOP
 counter on a real training step, and the multi-node GPU recipes planned from their launch configs."""
 
 from __future__ import annotations

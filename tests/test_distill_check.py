@@ -1,4 +1,4 @@
-"""``python -m distill check``: the memory plan against DeepSpeed's estimators and measured CPU peaks, the
+"""``swiftkv check``: the memory plan against DeepSpeed's estimators and measured CPU peaks, the
 shipped GPU recipes on config-only model folders, and the one-line refusals."""
 
 from __future__ import annotations
@@ -227,12 +227,12 @@ def test_activation_estimate_matches_measured_peak(case, checkpointing):
     "hidden,intermediate,batch,seq,batches", [(64, 160, 2, 256, 2), (256, 512, 1, 128, 2)]
 )
 def test_lstsq_init_estimate_matches_measured_peak(hidden, intermediate, batch, seq, batches):
-    """swiftkv.calibrate's layer-by-layer fit on CPU, where the model already sits on its device: the measured
+    """swiftkv.lstsq_init's layer-by-layer fit on CPU, where the model already sits on its device: the measured
     peak is the plan's init memory less the layer's weights, plus the batches' hidden states and
     ``norm_swiftkv(x_l)`` that wait on the host (the same allocator here)."""
-    from swiftkv.calibrate import fit_swiftkv_kv
     from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig
     from swiftkv.flops import Shape
+    from swiftkv.lstsq_init import fit_swiftkv_kv
     from swiftkv.modeling_swiftkv import LlamaSwiftKVForCausalLM
 
     config = LlamaSwiftKVConfig(

@@ -423,7 +423,7 @@ print(json.dumps(train["input_ids"][:].tolist()))
 def test_source_stats_count_samples_and_assistant_tokens(smollm2, tmp_path):
     from distill.data import render_conversation, source_stats
     from distill.recipe import DataSource
-    from swiftkv.assets import to_messages
+    from toolkit.assets import to_messages
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     records = LAYOUT_RECORDS["lmsys"] + [

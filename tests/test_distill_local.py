@@ -10,8 +10,8 @@ from conftest import tiny_base
 from test_swiftkv_calibrate import batches, kl
 
 from distill.local import distill_locally
-from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.convert import to_swiftkv
+from swiftkv.lstsq_init import fit_swiftkv_kv
 
 
 def reference_error(model, data, leader: int, members: list[int]) -> float:

@@ -21,7 +21,7 @@ SETTINGS = dict(every=2, keep=2, schedule="linear", grad_accum=2, gradient_check
 
 def node(tmp: Path, rank: int, nodes: int, per_node: int, port: socket, recipe: Path, at=None, **env) -> Job:
     """Node ``rank``: node.sh with the variables srun and the sbatch script set, its own local folder
-    (datasets cache and TMPDIR, unless ``env`` names a shared cache), ``python -m distill RECIPE`` under the
+    (datasets cache and TMPDIR, unless ``env`` names a shared cache), ``swiftkv distill RECIPE`` under the
     fault-point wrapper on each of its ``per_node`` ranks."""
     target = [str(WRAPPER), "-m", "distill", str(recipe)]
     job = Job.command(tmp / f"node{rank}", ["bash", "recipes/slurm/node.sh", CONFIG, *target], port)

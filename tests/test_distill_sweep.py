@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from distill.sweep import candidate_layers, choose, report_lines, sweep
-from swiftkv.cliargs import UsageError
 from swiftkv.flops import Shape, ideal_prefill_speedup, prefill_flops_original, prefill_flops_swiftkv
+from toolkit.cliargs import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.pipeline import run_stage
 from eval.report import write_report
 from eval.tasks import write_tasks
 from swiftkv.convert import convert
+from toolkit.stages import run_stage
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ RUN = {
         "seconds": 1,
         "quick": True,
     },
-    "commands": ["python -m eval run --quick"],
+    "commands": ["swiftkv run --quick"],
     "variants": [
         {
             "name": "original",
@@ -195,7 +195,7 @@ def test_report_from_a_fixture_run(tmp_path):
     for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
         assert f"]({png})" in report
-    assert "    python -m eval run --quick" in report
+    assert "    swiftkv run --quick" in report
 
 
 def _eval_record(step: int, kl: float, **extra) -> dict:

@@ -11,12 +11,12 @@ from conftest import CONVERSATIONS
 from tiny_chat import byte_tokenizer, save_chat_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eval.__main__ import main as eval_main
+from eval.cli import main as eval_main
 from eval.harness import run_harness
 from eval.quality import evaluate_quality, held_out_rows, quality_of
 from eval.tasks import write_tasks
-from swiftkv.cliargs import UsageError
 from swiftkv.convert import convert
+from toolkit.cliargs import UsageError
 
 SETTINGS = dict(n_conversations=8, seq_len=128, n_prompts=3, max_new_tokens=6)
 

@@ -19,7 +19,7 @@ from huggingface_hub import ModelCard
 from tiny_chat import save_chat_model
 
 from distill.recipe import SHIPPED_RECIPES
-from eval.__main__ import main
+from eval.cli import main
 from eval.job import DEFAULT_RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, hub, tmp_p
     assert "# SwiftKV report: acme/tiny-chat" in (out / "report.md").read_text()
     card = ModelCard.load(Path(swift["dir"]) / "README.md")  # the job's measured quality, in the card
     assert card.data.base_model == "acme/tiny-chat"
-    assert "`python -m eval run` (bfloat16 on cpu)" in card.text
+    assert "`swiftkv run` (bfloat16 on cpu)" in card.text
     assert f"| kl | {swift['quality']['kl']:.4g} |" in card.text
 
 

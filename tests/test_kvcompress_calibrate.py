@@ -1,4 +1,4 @@
-"""kvcompress calibrate: CLI round trip into load_compressed, complete-or-absent output, resume after a crash."""
+"""swiftkv kvcompress calibrate: CLI round trip into load_compressed, complete-or-absent output, resume after a crash."""
 
 from __future__ import annotations
 

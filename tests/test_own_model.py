@@ -20,7 +20,7 @@ from tiny_chat import CARD, LICENCES, save_chat_model
 
 from distill.__main__ import main as distill_main
 from distill.recipe import TRACKERS
-from swiftkv.checkpoint import CheckpointError, open_checkpoint
+from toolkit.checkpoint import CheckpointError, open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import HUB_REPO
 
-from eval.serving.ranking.__main__ import main
+from eval.serving.ranking.cli import main
 from eval.serving.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from eval.serving.ranking.predictors import HiddenStateFeatures, Ranker
 from eval.serving.ranking.traces import generate_traces, load_traces, read_meta, split_traces

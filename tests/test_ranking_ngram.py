@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eval.serving.ranking.__main__ import main
+from eval.serving.ranking.cli import main
 from eval.serving.ranking.labels import first_pairs, sharegpt_lengths, write_sharegpt_json
 from eval.serving.ranking.ngram import NgramScorer, count_matrix, design, fit, hashed_ngrams
 from eval.serving.ranking.predictors import Ranker

@@ -11,10 +11,10 @@ from conftest import HUB_REPO
 from test_suffix_tree import expand
 from tiny_chat import byte_tokenizer
 
-from eval.serving.suffix.__main__ import main
 from eval.serving.suffix.artifact import META_FILE, TREE_FILE, load_cache, save_cache
 from eval.serving.suffix.cache import SpecConfig, SuffixCache
-from swiftkv.artifacts import read_provenance
+from eval.serving.suffix.cli import main
+from toolkit.artifacts import read_provenance
 
 
 def word_tokenizer(words: int = 128, offset: int = 0):

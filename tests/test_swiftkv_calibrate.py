@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_base
 
-from swiftkv.calibrate import fit_swiftkv_kv
 from swiftkv.convert import to_swiftkv
+from swiftkv.lstsq_init import fit_swiftkv_kv
 
 
 def batches(seed: int, count: int = 3, length: int = 96) -> list[dict[str, torch.Tensor]]:

@@ -35,9 +35,9 @@ from tiny_chat import byte_tokenizer
 from transformers import AutoModelForCausalLM
 
 import swiftkv  # noqa: F401  (registers llama_swiftkv)
-from eval.__main__ import main as eval_main
-from swiftkv.checkpoint import CheckpointError, open_checkpoint
+from eval.cli import main as eval_main
 from swiftkv.convert import convert, to_swiftkv
+from toolkit.checkpoint import CheckpointError, open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 L, l, G = TINY["num_hidden_layers"], 2, 2

@@ -1,4 +1,4 @@
-"""``python -m eval vllm-args``: the printed serve command carries the artifacts' settings, vLLM's own parser
+"""``swiftkv vllm-args``: the printed serve command carries the artifacts' settings, vLLM's own parser
 accepts it, and mismatched or missing artifacts are refused with one line before anything is printed."""
 
 from __future__ import annotations

@@ -283,7 +283,11 @@ def runs(tmp_path_factory, vllm_python, smollm2):
         "teacher": dict(model=str(teacher), engine=CACHED, steps=[step(PROMPTS)]),
         "missing": dict(model=str(missing), steps=[]),
         **(
-            {"fp8": dict(model=str(fp8), engine={"kv_cache_dtype": "fp8"}, scales=True, steps=[step(PROMPTS)])}
+            {
+                "fp8": dict(
+                    model=str(fp8), engine={"kv_cache_dtype": "fp8"}, scales=True, steps=[step(PROMPTS)]
+                )
+            }
             if cpu_runs_fp8_kv()
             else {}
         ),

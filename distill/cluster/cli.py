@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_force,
     add_limit,
@@ -18,16 +18,16 @@ from swiftkv.cliargs import (
 )
 
 EPILOG = """examples:
-  python -m distill.cluster plan recipes/cluster/cluster.yaml recipes/cluster/jobs.yaml --out plan.json
-  python -m distill.cluster launch-configs plan.json --out launch/
-  python -m distill.cluster trace recipes/cluster/cluster.yaml --out trace.csv --limit 160 --hours 8 --seed 0
-  python -m distill.cluster simulate recipes/cluster/cluster.yaml trace.csv --policy sia,gavel,fifo \\
+  swiftkv cluster plan recipes/cluster/cluster.yaml recipes/cluster/jobs.yaml --out plan.json
+  swiftkv cluster launch-configs plan.json --out launch/
+  swiftkv cluster trace recipes/cluster/cluster.yaml --out trace.csv --limit 160 --hours 8 --seed 0
+  swiftkv cluster simulate recipes/cluster/cluster.yaml trace.csv --policy sia,gavel,fifo \\
       --round 60 --out sim/
 """
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from swiftkv.artifacts import write_json_atomic
+    from toolkit.artifacts import write_json_atomic
 
     from .plan import plan
     from .spec import load_cluster, load_jobs
@@ -62,7 +62,7 @@ def _trace(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from swiftkv.artifacts import write_json_atomic
+    from toolkit.artifacts import write_json_atomic
 
     from .simulator import get_policy, simulate
     from .spec import load_cluster
@@ -93,7 +93,7 @@ def _simulate(args: argparse.Namespace) -> None:
 
 def build_parser() -> ArgumentParser:
     ap, sub = command_parser(
-        "python -m distill.cluster",
+        "swiftkv cluster",
         "Sia-style heterogeneity-aware, goodput-optimized planning of distillation jobs.",
         EPILOG,
     )

@@ -84,7 +84,7 @@ def _launch_script(entry: dict[str, Any], job_dir: Path) -> str:
 
 def write_launch_configs(plan: dict[str, Any], out: Path | str, force: bool = False) -> list[Path]:
     """Write one folder per planned job under ``out``; return the job folders (final paths)."""
-    from swiftkv.artifacts import atomic_output_dir
+    from toolkit.artifacts import atomic_output_dir
 
     if not plan.get("jobs"):
         raise ValueError("plan has no allocated jobs; to resolve, run `plan` with free GPUs or fewer jobs")

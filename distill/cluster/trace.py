@@ -139,14 +139,12 @@ def read_trace(path: Path | str, cluster: Cluster) -> list[TraceJob]:
     """Read a trace CSV; every row must give a 1-GPU throughput for every GPU type of ``cluster``."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
-            f"{path}: no such trace; to resolve, make one with `python -m distill.cluster trace`"
-        )
+        raise ValueError(f"{path}: no such trace; to resolve, make one with `swiftkv cluster trace`")
     types = [t.name for t in cluster.gpu_types]
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows:
-        raise ValueError(f"{path}: empty trace; to resolve, make one with `python -m distill.cluster trace`")
+        raise ValueError(f"{path}: empty trace; to resolve, make one with `swiftkv cluster trace`")
     missing = [c for c in _SCALARS + [f"thr1_{t}" for t in types] if c not in rows[0]]
     if missing:
         raise ValueError(f"{path}: missing columns {missing}; to resolve, regenerate it for this cluster")

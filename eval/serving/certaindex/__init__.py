@@ -5,7 +5,7 @@
   and the threshold that keeps a target accuracy on a dev split.
 - ``backends.load_backend``: a transformers model directory or an OpenAI-compatible ``http://.../v1`` URL.
 
-CLI: ``python -m eval.serving.certaindex {cot,sc,calibrate,serve} --help``.  Importing this package is cheap: torch
+CLI: ``swiftkv certaindex {cot,sc,calibrate,serve} --help``.  Importing this package is cheap: torch
 and transformers load only when a transformers backend is created.
 """
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible completions client for Certaindex (vLLM, SGLang, ``python -m eval.serving.certaindex serve``).
+"""OpenAI-compatible completions client for Certaindex (vLLM, SGLang, ``swiftkv certaindex serve``).
 
 A session is the prompt text plus the chain so far; each chunk and each probe is one ``/completions``
 request on that text, so the server's prefix cache (vLLM's automatic prefix caching) plays the role the KV

@@ -1,4 +1,4 @@
-"""Learning to rank output lengths for shortest-job-first serving (``python -m eval.serving.ranking``).
+"""Learning to rank output lengths for shortest-job-first serving (``swiftkv ranking``).
 
 Stages, each a function with a thin CLI: :mod:`.traces` (prompt, reply length) pairs from the target model;
 :mod:`.train` ListMLE (or bucket-classification) training of a predictor from :mod:`.predictors` — a small

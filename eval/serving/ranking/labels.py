@@ -8,7 +8,7 @@ a pair when both have at least 4 tokens, the prompt at most 1,024 and the two to
 same numbers, written as traces (``prompt``, ``prompt_len``, ``output_len``) that :mod:`.train` reads;
 repeated prompts are kept once (the first), so a held-out split never holds a training prompt.
 
-``records`` picks the embedded file's split (:mod:`swiftkv.assets`): ``train`` for rankers, ``heldout`` for
+``records`` picks the embedded file's split (:mod:`toolkit.assets`): ``train`` for rankers, ``heldout`` for
 the benchmark prompts; :func:`write_sharegpt_json` writes the chosen pairs in the ShareGPT JSON layout that
 vLLM's client reads (``--dataset-path``).
 """
@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from swiftkv.artifacts import write_json_atomic
+from toolkit.artifacts import write_json_atomic
 
 from .traces import META_FILE, TRACES_FILE
 
@@ -28,7 +28,7 @@ MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048  # vllm.benchmarks.datase
 
 def first_pairs(data: str | os.PathLike = "sharegpt", records: str = "all") -> list[tuple[str, str]]:
     """(first turn, second turn) of each record with two turns, as vLLM reads them (roles not checked)."""
-    from swiftkv.assets import resolve_data_path, split_range
+    from toolkit.assets import resolve_data_path, split_range
 
     span = split_range(data, records)  # type: ignore[arg-type]
     pairs = []

@@ -300,9 +300,7 @@ def load_spec(ranker_dir: str | os.PathLike) -> RankerSpec:
     """The ``ranker.json`` of an exported ranker, with a one-line error when there is none."""
     spec_file = Path(ranker_dir) / RANKER_FILE
     if not spec_file.is_file():
-        raise FileNotFoundError(
-            f"{spec_file} not found; to resolve, run `python -m eval.serving.ranking train` first"
-        )
+        raise FileNotFoundError(f"{spec_file} not found; to resolve, run `swiftkv ranking train` first")
     try:
         return RankerSpec.model_validate_json(spec_file.read_text())
     except ValidationError as err:

@@ -37,7 +37,7 @@ class CostModel:
     """Seconds per iteration = base + prefill_token * prefill tokens + decode_token * decoding sequences.
 
     Defaults: SmolLM2-135M fp32, fitted by :func:`calibrate_cost_model` on this project's 2-core CPU
-    machine while it was shared (load ~6), so slow; rerun ``python -m eval.serving.ranking calibrate`` for yours.
+    machine while it was shared (load ~6), so slow; rerun ``swiftkv ranking calibrate`` for yours.
     """
 
     base: float = 0.66

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swiftkv.artifacts import write_json_atomic
+from toolkit.artifacts import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def traces_file(path: str | os.PathLike) -> Path:
     file = path / TRACES_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(
-            f"no traces at {file}; to resolve, run `python -m eval.serving.ranking traces MODEL {path}` "
+            f"no traces at {file}; to resolve, run `swiftkv ranking traces MODEL {path}` "
             "or pass a JSONL with `prompt` and `output_len` per line"
         )
     return file
@@ -139,7 +139,7 @@ def generate_traces(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from swiftkv.assets import iter_prompts
+    from toolkit.assets import iter_prompts
 
     if n < 1 or max_new_tokens < 1 or batch_size < 1 or temperature <= 0:
         raise ValueError(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
+from toolkit.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
 from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
 from .predictors import (
@@ -43,7 +43,7 @@ TRAIN_FILE = "train.json"
 
 
 class TrainConfig(BaseModel):
-    """Options of ``python -m eval.serving.ranking train``; defaults follow the paper where it has one."""
+    """Options of ``swiftkv ranking train``; defaults follow the paper where it has one."""
 
     model_config = ConfigDict(extra="forbid")
 

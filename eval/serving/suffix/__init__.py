@@ -2,6 +2,6 @@
 
 ``tree`` is the depth-limited suffix tree, ``cache`` the global + per-request trees with the speculation rule,
 ``decode`` greedy verification on any causal LM, ``artifact`` the on-disk format and vLLM export, ``stages``
-the user-facing functions behind ``python -m eval.serving.suffix build|generate|export-vllm``.  Importing this package
+the user-facing functions behind ``swiftkv suffix build|generate|export-vllm``.  Importing this package
 imports nothing heavy.
 """

@@ -7,7 +7,7 @@ Layout (format version 2)::
                         in count order, suffix endpoints) and the cached responses' tokens (evicted ones
                         are gone); loading rebuilds the nodes without re-inserting suffixes, so it costs
                         O(nodes), not O(tokens * depth)
-    provenance.json     what built it (swiftkv.artifacts)
+    provenance.json     what built it (toolkit.artifacts)
 
 A cache is only valid for the tokenizer it was built with, so the tokenizer's vocabulary is fingerprinted and
 checked on load; a tree file whose hash or structure does not check out is refused as corrupt.
@@ -24,7 +24,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from swiftkv.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
+from toolkit.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
 from .cache import SpecConfig, SuffixCache, tree_class
 from .tree import SuffixTree, _Group, _Node
@@ -210,9 +210,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The cache's metadata, checked for format and version."""
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
-        raise FileNotFoundError(
-            f"{meta_path} not found; to resolve, build one with `python -m eval.serving.suffix build`"
-        )
+        raise FileNotFoundError(f"{meta_path} not found; to resolve, build one with `swiftkv suffix build`")
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -243,7 +241,7 @@ def load_cache(
             raise ValueError(
                 f"suffix cache {path} was built with tokenizer {meta['tokenizer']['name_or_path']!r} "
                 f"(fingerprint {want[:12]}), but this tokenizer ({getattr(tokenizer, 'name_or_path', '?')!r}) is "
-                f"{have[:12]}; to resolve, rebuild the cache for this model (`python -m eval.serving.suffix build MODEL`)"
+                f"{have[:12]}; to resolve, rebuild the cache for this model (`swiftkv suffix build MODEL`)"
             )
     tree_path = path / TREE_FILE
     if not tree_path.is_file() or sha256_file(tree_path) != meta["tree_sha256"]:

@@ -1,7 +1,7 @@
 """The three user-facing stages as functions: build a cache from data, generate with it, export for vLLM.
 
 Responses for the global tree come from a ShareGPT-style file (assistant turns, resolved through
-``swiftkv.assets``) or from a JSONL of teacher generations (``response``/``output``/``completion``/``text``
+``toolkit.assets``) or from a JSONL of teacher generations (``response``/``output``/``completion``/``text``
 field, or a message list).  Each response is tokenized without special tokens and closed with the EOS token,
 as the model would emit it.
 """
@@ -27,7 +27,7 @@ def iter_responses(
     data: str | os.PathLike = "sharegpt", limit: int | None = None, skip: int = 0
 ) -> Iterator[str]:
     """Assistant texts of conversations ``skip .. skip+limit`` of a ShareGPT-style file (embedded: train split)."""
-    from swiftkv.assets import iter_conversations
+    from toolkit.assets import iter_conversations
 
     limit = None if limit is None else skip + limit
     for i, messages in enumerate(iter_conversations(data, limit, split="train")):
@@ -37,7 +37,7 @@ def iter_responses(
 
 def iter_generations(path: str | os.PathLike, limit: int | None = None) -> Iterator[str]:
     """Response texts of a teacher-generations JSONL (one record a line)."""
-    from swiftkv.assets import resolve_data_path, to_messages
+    from toolkit.assets import resolve_data_path, to_messages
 
     with open(resolve_data_path(path)) as f:
         for n, line in enumerate(f):

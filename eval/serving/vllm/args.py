@@ -1,6 +1,6 @@
 """The vLLM serve command for a checkpoint and the serving artifacts built for it.
 
-``python -m eval vllm-args CHECKPOINT [--suffix-cache DIR] [--ranker DIR] [--cpu]`` prints one shell command.
+``swiftkv vllm-args CHECKPOINT [--suffix-cache DIR] [--ranker DIR] [--cpu]`` prints one shell command.
 Everything is checked before anything is printed, so a command that prints is one that will load:
 
 * the checkpoint must be a Hugging Face folder vLLM can serve; a SwiftKV checkpoint needs no extra flag
@@ -60,7 +60,7 @@ def _suffix_args(cache: Path, checkpoint: Path) -> tuple[list[str], str]:
     if meta["tokenizer"]["fingerprint"] != _tokenizer_fingerprint(checkpoint):
         raise ValueError(
             f"suffix cache {cache} was built with tokenizer {meta['tokenizer']['name_or_path']!r}, not "
-            f"{checkpoint}'s; to resolve, rebuild it with `python -m eval.serving.suffix build {checkpoint} --out CACHE`"
+            f"{checkpoint}'s; to resolve, rebuild it with `swiftkv suffix build {checkpoint} --out CACHE`"
         )
     spec = json.dumps(vllm_speculative_config(SpecConfig(**meta["config"])), separators=(",", ":"))
     note = (

@@ -78,11 +78,24 @@ def add_model(parser: argparse.ArgumentParser, name: str = "model", help: str = 
     return parser.add_argument(name, type=existing_path, help=help)
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` or ``org/name@revision`` that is not an existing path (the Hub's own id rules)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo_id = name.partition("@")[0]
+    if Path(name).expanduser().exists() or repo_id.count("/") != 1 or name.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return False
+    return True
+
+
 def model_name(text: str) -> str:
     """argparse type: an existing path or a Hugging Face Hub id (``org/name[@revision]``); the command
-    fetches and checks it with ``swiftkv.checkpoint.open_checkpoint`` before any work."""
-    from .checkpoint import looks_like_hub_id
-
+    fetches and checks it with ``toolkit.checkpoint.open_checkpoint`` before any work."""
     if Path(text).expanduser().exists() or looks_like_hub_id(text):
         return text
     raise argparse.ArgumentTypeError(f"{text} does not exist (and is not a Hub model id such as org/name)")

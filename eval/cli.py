@@ -1,10 +1,10 @@
-"""``python -m eval run|tasks|harness|quality|report|vllm-args``: thin CLIs over the eval functions."""
+"""``swiftkv run|tasks|harness|quality|report|vllm-args``: thin CLIs over the eval functions."""
 
 from __future__ import annotations
 
 import json
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_checkpoint,
     add_limit,
@@ -17,17 +17,17 @@ from swiftkv.cliargs import (
 )
 
 EPILOG = """examples:
-  python -m eval run --quick                           # the main job: convert -> distill -> evaluate -> report
-  python -m eval run MODEL --recipe swiftkv_llama3.1_8b.yaml --device auto --dtype bfloat16 --out out/mine
-  python -m eval tasks --out out/tasks                 # write the offline ShareGPT tasks for lm-eval
-  python -m eval harness out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
+  swiftkv run --quick                           # the main job: convert -> distill -> evaluate -> report
+  swiftkv run MODEL --recipe swiftkv_llama3.1_8b.yaml --device auto --dtype bfloat16 --out out/mine
+  swiftkv tasks --out out/tasks                 # write the offline ShareGPT tasks for lm-eval
+  swiftkv harness out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
   lm_eval --model hf --model_args pretrained=out/smollm2-swiftkv50,trust_remote_code=True \\
       --include_path out/tasks --tasks sharegpt_ppl --device cpu
-  python -m eval quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
-  python -m eval quality out/llama8b/model --device auto --dtype bfloat16 --batch-size 8   # on the GPUs
-  python -m eval report out/demo                       # report.md + PNGs from out/demo/run.json
-  python -m eval report out/demo --curve out/curve/swiftkv25 out/curve/swiftkv50   # + longer runs' curves
-  python -m eval vllm-args out/smollm2-swiftkv50 --suffix-cache out/suffix-cache --ranker out/ranker
+  swiftkv quality out/smollm2-swiftkv50         # KL / agreement / perplexity against its teacher
+  swiftkv quality out/llama8b/model --device auto --dtype bfloat16 --batch-size 8   # on the GPUs
+  swiftkv report out/demo                       # report.md + PNGs from out/demo/run.json
+  swiftkv report out/demo --curve out/curve/swiftkv25 out/curve/swiftkv50   # + longer runs' curves
+  swiftkv vllm-args out/smollm2-swiftkv50 --suffix-cache out/suffix-cache --ranker out/ranker
 """
 
 
@@ -54,7 +54,7 @@ def add_placement(parser: ArgumentParser, batch_size: int | None = 4) -> None:
 def build_parser() -> ArgumentParser:
     from .job import DEFAULT_RECIPE, JOB_EPILOG
 
-    parser, sub = command_parser("python -m eval", __doc__, EPILOG)
+    parser, sub = command_parser("swiftkv", __doc__, EPILOG)
     job = sub.add_parser("run", help="the main job, on the embedded default or your model", epilog=JOB_EPILOG)
     add_checkpoint(
         job,
@@ -116,17 +116,15 @@ def build_parser() -> ArgumentParser:
         "vllm-args", help="print the vLLM serve command for a checkpoint and its artifacts"
     )
     add_checkpoint(serve, "checkpoint")
-    serve.add_argument(
-        "--suffix-cache", type=existing_path, help="from `python -m eval.serving.suffix build`"
-    )
-    serve.add_argument("--ranker", type=existing_path, help="from `python -m eval.serving.ranking train`")
+    serve.add_argument("--suffix-cache", type=existing_path, help="from `swiftkv suffix build`")
+    serve.add_argument("--ranker", type=existing_path, help="from `swiftkv ranking train`")
     serve.add_argument("--cpu", action="store_true", help="add vLLM CPU backend settings")
     serve.add_argument("--port", type=int, default=8000)
     return parser
 
 
 def _command(args) -> str:
-    from swiftkv.checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
 
     if args.command == "run":
         from .job import run_job
@@ -172,7 +170,7 @@ def _command(args) -> str:
         )
         return json.dumps(results, indent=2)
     if args.command == "quality":
-        from swiftkv.assets import resolve_data_path
+        from toolkit.assets import resolve_data_path
 
         from .quality import check_placement, evaluate_quality
 

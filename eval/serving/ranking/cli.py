@@ -1,4 +1,4 @@
-"""``python -m eval.serving.ranking``: traces, labels, train, evaluate, proxy, calibrate, simulate (thin argparse over the functions)."""
+"""``swiftkv ranking``: traces, labels, train, evaluate, proxy, calibrate, simulate (thin argparse over the functions)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Literal, get_args, get_origin
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_checkpoint,
     add_dtype,
@@ -22,16 +22,16 @@ from swiftkv.cliargs import (
 )
 
 EPILOG = """examples:
-  python -m eval.serving.ranking traces MODEL --out out/traces --data sharegpt --limit 2000 --max-new-tokens 512
-  python -m eval.serving.ranking labels MODEL --out out/sharegpt-lengths                      # recorded ShareGPT reply lengths
-  python -m eval.serving.ranking train out/sharegpt-lengths --out out/ranker-ngram --kind ngram  # cheap, for the proxy
-  python -m eval.serving.ranking proxy out/ranker-ngram --upstream http://127.0.0.1:8000 --port 8100
-  python -m eval.serving.ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
-  python -m eval.serving.ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
-  python -m eval.serving.ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
-  python -m eval.serving.ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
-  python -m eval.serving.ranking calibrate MODEL --out out/cost.json                              # measured step times
-  python -m eval.serving.ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
+  swiftkv ranking traces MODEL --out out/traces --data sharegpt --limit 2000 --max-new-tokens 512
+  swiftkv ranking labels MODEL --out out/sharegpt-lengths                      # recorded ShareGPT reply lengths
+  swiftkv ranking train out/sharegpt-lengths --out out/ranker-ngram --kind ngram  # cheap, for the proxy
+  swiftkv ranking proxy out/ranker-ngram --upstream http://127.0.0.1:8000 --port 8100
+  swiftkv ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
+  swiftkv ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
+  swiftkv ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
+  swiftkv ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
+  swiftkv ranking calibrate MODEL --out out/cost.json                              # measured step times
+  swiftkv ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
 """
 
 
@@ -42,7 +42,7 @@ def build_parser() -> ArgumentParser:
     from .train import TrainConfig
 
     parser, sub = command_parser(
-        "python -m eval.serving.ranking",
+        "swiftkv ranking",
         "Learning-to-rank output lengths: traces, predictors (ListMLE), and an SJF scheduler simulator.",
         EPILOG,
     )
@@ -145,8 +145,8 @@ def _names(text: str) -> list[str]:
 
 
 def _command(args) -> str | None:
-    from swiftkv.artifacts import write_json_atomic
-    from swiftkv.checkpoint import open_checkpoint
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.checkpoint import open_checkpoint
 
     if args.command == "traces":
         from .traces import generate_traces
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 def _simulate(args) -> None:
     import numpy as np
 
-    from swiftkv.artifacts import write_json_atomic
+    from toolkit.artifacts import write_json_atomic
 
     from .simulator import CostModel, SimConfig, results_json, results_table, run_policies
     from .train import held_out_traces, load_ranker

@@ -1,4 +1,4 @@
-"""CLI: ``python -m eval.serving.suffix build|generate|export-vllm`` (thin layer over :mod:`.stages`)."""
+"""CLI: ``swiftkv suffix build|generate|export-vllm`` (thin layer over :mod:`.stages`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_checkpoint,
     add_force,
@@ -23,11 +23,11 @@ from .artifact import vllm_dropped_settings
 from .cache import SpecConfig
 
 EPILOG = """examples:
-  python -m eval.serving.suffix build MODEL_DIR --out out/suffix-cache --data sharegpt --limit 2000
-  python -m eval.serving.suffix build MODEL_DIR --out out/suffix-cache --responses-from teacher-generations.jsonl
-  python -m eval.serving.suffix generate MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
-  python -m eval.serving.suffix export-vllm out/suffix-cache > spec.json
-  vllm serve MODEL_DIR --speculative-config "$(python -m eval.serving.suffix export-vllm out/suffix-cache)"
+  swiftkv suffix build MODEL_DIR --out out/suffix-cache --data sharegpt --limit 2000
+  swiftkv suffix build MODEL_DIR --out out/suffix-cache --responses-from teacher-generations.jsonl
+  swiftkv suffix generate MODEL_DIR --cache out/suffix-cache --prompts prompts.jsonl --mode tree
+  swiftkv suffix export-vllm out/suffix-cache > spec.json
+  vllm serve MODEL_DIR --speculative-config "$(swiftkv suffix export-vllm out/suffix-cache)"
 """
 
 
@@ -54,7 +54,7 @@ def _spec_config(args: argparse.Namespace, base: dict | None = None) -> SpecConf
 
 def build_parser() -> ArgumentParser:
     parser, sub = command_parser(
-        "python -m eval.serving.suffix",
+        "swiftkv suffix",
         "SuffixDecoding: build suffix caches, generate with them, export the vLLM config.",
         EPILOG,
     )
@@ -88,7 +88,7 @@ def build_parser() -> ArgumentParser:
 
 def _command(args: argparse.Namespace) -> str | None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from swiftkv.checkpoint import open_checkpoint
+    from toolkit.checkpoint import open_checkpoint
 
     from . import stages
 

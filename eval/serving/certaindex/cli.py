@@ -1,4 +1,4 @@
-"""``python -m eval.serving.certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
+"""``swiftkv certaindex {cot,sc,calibrate,serve}``: thin CLI over ``cot``, ``sc`` and ``server``.
 
 Per-problem results are resumable (``records.run_resumable``: an interrupted run continues where it
 stopped); when every problem is done ``OUT`` holds the records and ``OUT.summary.json`` the summary.
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from swiftkv.cliargs import (
+from toolkit.cliargs import (
     ArgumentParser,
     add_dtype,
     add_limit,
@@ -28,12 +28,12 @@ from .data import Problem, resolve_problems
 from .records import run_resumable
 
 EPILOG = """examples:
-  python -m eval.serving.certaindex cot ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
+  swiftkv certaindex cot ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --data arith:20:0 --preset mid --max-tokens 256 --out cot.jsonl
-  python -m eval.serving.certaindex cot http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl --out cot.jsonl
-  python -m eval.serving.certaindex sc MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
-  python -m eval.serving.certaindex calibrate MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
-  python -m eval.serving.certaindex serve MODEL_DIR --port 8000     # OpenAI-compatible test server
+  swiftkv certaindex cot http://127.0.0.1:8000/v1 --tokenizer MODEL_DIR --data problems.jsonl --out cot.jsonl
+  swiftkv certaindex sc MODEL_DIR --data mc.jsonl --max-samples 16 --threshold 0.8 --out sc.jsonl
+  swiftkv certaindex calibrate MODEL_DIR --data dev.jsonl --max-samples 16 --out dev.jsonl
+  swiftkv certaindex serve MODEL_DIR --port 8000     # OpenAI-compatible test server
 """
 
 
@@ -45,7 +45,7 @@ def _summary(records: list[dict], keys: tuple[str, ...]) -> dict:
 
 
 def _write_summary(out: Path, summary: dict) -> None:
-    from swiftkv.artifacts import write_json_atomic
+    from toolkit.artifacts import write_json_atomic
 
     write_json_atomic(out.with_name(out.name + ".summary.json"), summary)
     print(json.dumps(summary, indent=2, sort_keys=True))
@@ -148,7 +148,7 @@ def model_or_url(text: str) -> str:
 
 
 def build_parser() -> ArgumentParser:
-    parser, sub = command_parser("python -m eval.serving.certaindex", __doc__.splitlines()[0], EPILOG)
+    parser, sub = command_parser("swiftkv certaindex", __doc__.splitlines()[0], EPILOG)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "model", type=model_or_url, help="transformers model dir, or http://host:port/v1 endpoint"

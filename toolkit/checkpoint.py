@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cliargs import UsageError
+from .cliargs import UsageError, looks_like_hub_id
 
 # base model_type -> (SwiftKV model_type, architecture class, config class)
 FAMILIES = {
@@ -76,21 +76,6 @@ class Checkpoint:
 
     def provenance(self) -> dict:
         return {"source": str(self.path), "source_id": self.repo_id, "source_revision": self.revision}
-
-
-def looks_like_hub_id(name: str) -> bool:
-    """``org/name`` or ``org/name@revision`` that is not an existing path (the Hub's own id rules)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    repo_id = name.partition("@")[0]
-    if Path(name).expanduser().exists() or repo_id.count("/") != 1 or name.startswith((".", "/", "~")):
-        return False
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        return False
-    return True
 
 
 def hub_origin(path: Path) -> tuple[str | None, str | None]:
@@ -249,7 +234,7 @@ def check(
     if method and not quantized:
         raise CheckpointError(
             f"{path} is quantized ({method}), which the transformers path here does not load (to resolve, "
-            "serve it with vLLM (`python -m eval vllm-args` prints the command), or use its unquantized "
+            "serve it with vLLM (`swiftkv vllm-args` prints the command), or use its unquantized "
             "checkpoint: for Snowflake's *-FP8 models, the same id without -FP8)"
         )
     if weights:

@@ -1,6 +1,0 @@
-"""``python -m kvcompress`` = the ``kvcompress`` console script."""
-
-from .cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())
