@@ -7,7 +7,7 @@ e.g. a ranker reading x_l loads) works without ``trust_remote_code``.
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from toolkit import __version__  # noqa: F401  (swiftkv.__version__, as before the shared base moved)
+from toolkit import __version__  # noqa: F401  (re-exported as swiftkv.__version__)
 
 from .configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 from .modeling_swiftkv import (
