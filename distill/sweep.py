@@ -4,7 +4,8 @@ For each candidate fraction the recipe's own distillation runs with only the num
 changed: the same data, seed, init (the least-squares fit in the CPU recipe) and schedule, stretched to the
 same token budget.  Every candidate is an ordinary ``distill.train`` run into ``OUT/l<l>`` (so it runs under
 ``accelerate launch`` on every process, resumes from its checkpoints after an interruption and exports a
-normal SwiftKV folder); a candidate whose ``sweep_result.json`` matches its recipe is skipped on a rerun.
+normal SwiftKV folder).  Each candidate is a stage of ``distill.runs`` (the main job's resume scheme): skipped
+on a rerun when its recipe is unchanged, rerun from scratch when it changed.
 Quality is the trainer's final held-out evaluation (the recipe's ``data.holdout`` rows): KL(teacher ||
 student) at T = 1, top-1 agreement and the perplexity ratio; with exact K/V (``model.exact_kv_window`` W) the
 student is trained and evaluated with the served positions exact, and the speedup counts the W prompt tokens
@@ -14,20 +15,18 @@ candidate) names the largest fraction that meets the user's quality budget (``ma
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 from swiftkv.convert import ConversionError, read_config, resolve_num_key_value_layers
 from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
-from toolkit.artifacts import write_json_atomic
+from toolkit.artifacts import save_figure, write_json_atomic, write_text_atomic
 from toolkit.cliargs import ArgumentParser, UsageError, add_model, add_out, float_list, run
 
 from .recipe import SHIPPED_RECIPES, Recipe, SwiftKVOptions, recipe_path
 
 RECIPE = SHIPPED_RECIPES / "swiftkv_smollm2_cpu.yaml"
-RESULT = "sweep_result.json"
 EPILOG = """examples:
   swiftkv sweep ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
@@ -69,50 +68,14 @@ def candidate_recipe(base: Recipe, model: Path, l: int, steps: int, out: Path) -
     return base.model_copy(update={"model": model_section, "train": train, "output_dir": str(out / f"l{l}")})
 
 
-def candidate_key(recipe: Recipe) -> dict:
-    """What a candidate's folder must have been made with to be reused: the trainer's resume fingerprint plus
-    the steps (the budget), which the trainer itself does not compare."""
-    from .train import fingerprint
-
-    return {**fingerprint(recipe), "max_steps": recipe.train.max_steps}
-
-
-def _done(recipe: Recipe) -> tuple[bool, dict | None]:
-    """(whether the candidate's folder is this candidate's, its recorded result if it finished); refuses a
-    folder written by another recipe or budget, before any work."""
-    out = Path(recipe.output_dir)
-    record = out / RESULT
-    if record.is_file():
-        if json.loads(record.read_text()).get("key") != candidate_key(recipe):
-            raise UsageError(
-                f"{out} holds a candidate of another recipe or budget (to resolve, use a new --out or remove {out})"
-            )
-        return True, json.loads(record.read_text()).get("result")
-    if out.is_dir() and any(out.iterdir()):
-        raise UsageError(
-            f"{out} is not a sweep candidate's folder (to resolve, use a new --out or remove {out})"
-        )
-    return False, None
-
-
-def _initial_kl(out: Path) -> float | None:
-    """The held-out KL before training (the trainer's step-0 record), if logged."""
-    path = out / "log.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        record = json.loads(line)
-        if record.get("step") == 0 and "eval_kl" in record:
-            return record["eval_kl"]
-    return None
-
-
-def _result(recipe: Recipe, config: dict, l: int, prefill_tokens: int, steps: int, step_tokens: int) -> dict:
-    out = Path(recipe.output_dir)
-    final = json.loads((out / "final_metrics.json").read_text())
+def _result(recipe: Recipe, config: dict, l: int, prefill_tokens: int, step_tokens: int, run: dict) -> dict:
+    """A candidate's row of the report, from its distillation's result (``distill.runs``)."""
     g, window = recipe.model.swiftkv.group_size, recipe.model.exact_kv_window or 0
     shape = Shape.from_config(
         {**config, "num_key_value_layers": l, "key_value_group_size": g, "exact_kv_window": window}
     )
     base = Shape.from_config({**config, "num_key_value_layers": config["num_hidden_layers"]})
+    steps = recipe.train.max_steps
     return {
         "num_key_value_layers": l,
         "swiftkv_layers": shape.layers - l,
@@ -123,13 +86,13 @@ def _result(recipe: Recipe, config: dict, l: int, prefill_tokens: int, steps: in
         "kv_cache_share": kv_bytes_per_token(shape) / kv_bytes_per_token(base, swiftkv=False),
         "steps": steps,
         "train_tokens": steps * step_tokens,
-        "initial_kl": _initial_kl(out),
-        "kl": final["eval_kl"],
-        "top1_agreement": final["eval_top1_agreement"],
-        "ppl_ratio": final["eval_ppl_student"] / final["eval_ppl_teacher"],
-        "eval_tokens": final["eval_tokens"],
-        "train_seconds": final["train_seconds"],
-        "model": str(out / "model"),
+        "initial_kl": run["initial_eval_kl"],
+        "kl": run["eval_kl"],
+        "top1_agreement": run["eval_top1_agreement"],
+        "ppl_ratio": run["eval_ppl_student"] / run["eval_ppl_teacher"],
+        "eval_tokens": run["eval_tokens"],
+        "train_seconds": run["train_seconds"],
+        "model": run["model"],
     }
 
 
@@ -220,17 +183,12 @@ def plot(summary: dict, path: Path) -> None:
         f"Quality vs prefill savings at {summary['budget_tokens']:,} tokens of distillation", fontsize=10
     )
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def _write_report(summary: dict, out: Path) -> None:
     write_json_atomic(out / "sweep.json", summary)
-    tmp = out / f".sweep.md.tmp-{os.getpid()}"
-    tmp.write_text("\n".join(report_lines(summary)) + "\n")
-    os.replace(tmp, out / "sweep.md")
+    write_text_atomic(out / "sweep.md", "\n".join(report_lines(summary)) + "\n")
     if summary["results"]:
         plot(summary, out / "sweep.png")
 
@@ -238,23 +196,24 @@ def _write_report(summary: dict, out: Path) -> None:
 def sweep(
     model: str | Path,
     fractions: list[float],
-    budget_tokens: int,
     out: str | Path,
+    *,
+    budget_tokens: int | None = None,
     recipe: str | Path = RECIPE,
     overrides: list[str] = (),
     max_kl: float | None = None,
     max_ppl_ratio: float | None = None,
     prefill_tokens: int = 2048,
 ) -> dict:
-    """Distill ``model`` at each fraction for ``budget_tokens`` tokens with the settings of ``recipe`` (plus
-    ``key=value`` overrides) and return the summary written to ``out/sweep.json``: ``results`` from most
-    layers kept to fewest, and ``chosen``, the one that skips most within the budget."""
+    """Distill ``model`` at each fraction for ``budget_tokens`` tokens (default: the recipe's own steps) with the
+    settings of ``recipe`` (plus ``key=value`` overrides) and return the summary written to ``out/sweep.json``:
+    ``results`` from most layers kept to fewest, and ``chosen``, the one that skips most within the budget."""
     from accelerate import PartialState
 
     from .check import load_recipe_or_usage
-    from .train import train
+    from .runs import distill_stage
 
-    if budget_tokens < 1 or prefill_tokens < 1:
+    if (budget_tokens is not None and budget_tokens < 1) or prefill_tokens < 1:
         raise UsageError(
             f"--budget-tokens {budget_tokens} / --prefill-tokens {prefill_tokens} (to resolve, pass positive "
             "numbers of tokens)"
@@ -263,41 +222,30 @@ def sweep(
         raise UsageError(
             f"--max-kl {max_kl} / --max-ppl-ratio {max_ppl_ratio} (to resolve, pass positive limits)"
         )
-    model, out, recipe_path = Path(model).expanduser(), Path(out), Path(recipe)
+    model, out, recipe_file = Path(model).expanduser(), Path(out), recipe_path(recipe)
     config = read_config(model)
     if "num_key_value_layers" in config:
         raise UsageError(f"{model} is already a SwiftKV checkpoint (to resolve, pass its base model)")
-    recipe = load_recipe_or_usage(recipe_path, list(overrides))
-    group_size = recipe.model.swiftkv.group_size if recipe.model.swiftkv else 1
+    base = load_recipe_or_usage(recipe_file, list(overrides))
+    group_size = base.model.swiftkv.group_size if base.model.swiftkv else 1
     layers = candidate_layers(config, fractions, group_size)
-    step_tokens = tokens_per_step(recipe, int(os.environ.get("WORLD_SIZE", "1")))
-    steps = max(1, math.ceil(budget_tokens / step_tokens))
-    recipes = [candidate_recipe(recipe, model, l, steps, out) for l in layers]
-    finished = {r.output_dir: _done(r)[1] for r in recipes}  # every candidate checked before any work
+    step_tokens = tokens_per_step(base, int(os.environ.get("WORLD_SIZE", "1")))
+    steps = base.train.max_steps if budget_tokens is None else max(1, math.ceil(budget_tokens / step_tokens))
     state = PartialState()
     summary = {
         "model": str(model),
-        "recipe": " ".join([str(recipe_path), *overrides]),
-        "budget_tokens": budget_tokens,
+        "recipe": " ".join([str(recipe_file), *overrides]),
+        "budget_tokens": steps * step_tokens,
         "budget": {"max_kl": max_kl, "max_ppl_ratio": max_ppl_ratio},
         "prefill_tokens": prefill_tokens,
         "results": [],
         "pending": list(layers),
         "chosen": None,
     }
-    for l, candidate in zip(layers, recipes, strict=True):
-        result = finished[candidate.output_dir]
-        if result is None:
-            record, key = Path(candidate.output_dir) / RESULT, candidate_key(candidate)
-            if state.is_main_process:  # first: an interrupted candidate's folder is recognised on a rerun
-                write_json_atomic(record, {"key": key, "result": None})
-            state.wait_for_everyone()
-            train(candidate, end_training=False)
-            result = _result(candidate, config, l, prefill_tokens, steps, step_tokens)
-            if state.is_main_process:
-                write_json_atomic(record, {"key": key, "result": result})
-        else:
-            print(f"[sweep] l={l}: finished before, skipped", flush=True)
+    for l in layers:
+        candidate = candidate_recipe(base, model, l, steps, out)
+        _, run = distill_stage(out, f"l{l}", candidate, end_training=False)
+        result = _result(candidate, config, l, prefill_tokens, step_tokens, run)
         result["meets"] = meets(result, max_kl, max_ppl_ratio)
         summary["results"].append(result)
         summary["pending"].remove(l)
@@ -324,7 +272,7 @@ def build_parser() -> ArgumentParser:
         "--fractions", type=float_list, required=True, help="SwiftKV fractions to try, e.g. 0.2,0.3,0.4,0.5"
     )
     parser.add_argument(
-        "--budget-tokens", type=int, required=True, help="tokens of distillation per candidate"
+        "--budget-tokens", type=int, help="tokens of distillation per candidate (default: the recipe's steps)"
     )
     parser.add_argument(
         "--recipe", default=RECIPE, help=f"base recipe: a file or a shipped name (default: {RECIPE.name})"
@@ -345,13 +293,13 @@ def _sweep(args) -> str:
     summary = sweep(
         args.model,
         args.fractions,
-        args.budget_tokens,
         args.out,
-        recipe_path(args.recipe),
-        args.overrides,
-        args.max_kl,
-        args.max_ppl_ratio,
-        args.prefill_tokens,
+        budget_tokens=args.budget_tokens,
+        recipe=args.recipe,
+        overrides=args.overrides,
+        max_kl=args.max_kl,
+        max_ppl_ratio=args.max_ppl_ratio,
+        prefill_tokens=args.prefill_tokens,
     )
     return "\n".join(report_lines(summary))
 

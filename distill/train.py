@@ -36,9 +36,15 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swiftkv.card import quality_section
-from swiftkv.convert import convert, read_config, save_pretrained_swiftkv
+from swiftkv.convert import (
+    CONVERT_STAGE,
+    convert,
+    read_config,
+    resolve_num_key_value_layers,
+    save_pretrained_swiftkv,
+)
 from swiftkv.lstsq_init import fit_swiftkv_kv
-from toolkit.artifacts import write_json_atomic
+from toolkit.artifacts import read_provenance, write_json_atomic
 from toolkit.checkpoint import open_checkpoint
 from toolkit.cliargs import UsageError
 
@@ -65,8 +71,10 @@ def fingerprint(recipe: Recipe) -> dict:
     return fields
 
 
-def _converted_dir(recipe: Recipe) -> Path:
-    return Path(recipe.output_dir) / "converted"
+def fresh_conversion(source: Path) -> bool:
+    """Whether ``source`` is a SwiftKV checkpoint as ``swiftkv convert`` wrote it (never trained): the recipe's
+    K/V init (``model.swiftkv.init``) applies to it."""
+    return read_provenance(source).get("stage") == CONVERT_STAGE
 
 
 def source_folder(recipe: Recipe, accelerator: Accelerator) -> Path:
@@ -79,16 +87,19 @@ def source_folder(recipe: Recipe, accelerator: Accelerator) -> Path:
 def converted_source(recipe: Recipe, accelerator: Accelerator, source: Path) -> Path:
     """The SwiftKV checkpoint to start from, given the source folder.  A base source is first converted on
     disk into ``output_dir/converted`` (by the main process, atomically), so that loading is always a plain
-    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization."""
+    ``from_pretrained``, which also handles ZeRO-3 partitioned initialization.  A fresh conversion given as the
+    source (the main job converts in a stage of its own) must have the layout ``model.swiftkv`` asks for."""
     config = read_config(source)
-    if "num_key_value_layers" in config:
-        return source
     opts = recipe.model.swiftkv
+    if "num_key_value_layers" in config:
+        if opts is not None and fresh_conversion(source):
+            check_layout(recipe, config)
+        return source
     if opts is None:
         raise ValueError(
             f"model.source {source} is not a SwiftKV checkpoint; set model.swiftkv to convert it"
         )
-    converted = _converted_dir(recipe)
+    converted = Path(recipe.output_dir) / "converted"
     with accelerator.main_process_first():
         if accelerator.is_main_process and not (converted / "config.json").is_file():
             convert(
@@ -101,6 +112,21 @@ def converted_source(recipe: Recipe, accelerator: Accelerator, source: Path) -> 
                 force=True,
             )
     return converted
+
+
+def check_layout(recipe: Recipe, config: dict) -> None:
+    """Refuse a converted source whose SwiftKV layers or AcrossKV groups differ from ``model.swiftkv``."""
+    opts = recipe.model.swiftkv
+    want = resolve_num_key_value_layers(
+        config["num_hidden_layers"], opts.num_key_value_layers, opts.fraction, opts.group_size
+    )
+    have = (config["num_key_value_layers"], config.get("key_value_group_size", 1))
+    if have != (want, opts.group_size):
+        raise UsageError(
+            f"model.source {recipe.model.source} has num_key_value_layers {have[0]} and group size {have[1]}, "
+            f"but model.swiftkv asks for {want} and {opts.group_size} (to resolve, convert with the recipe's "
+            "layout or change model.swiftkv)"
+        )
 
 
 def init_swiftkv(recipe: Recipe, accelerator: Accelerator, model, rows) -> None:
@@ -348,8 +374,8 @@ def setup(recipe: Recipe) -> Run:
         )
     model = load_model(recipe, source)
     opts = recipe.model.swiftkv
-    if ckpt is None and opts is not None and source == _converted_dir(recipe):
-        init_swiftkv(recipe, accelerator, model, train_rows)  # a given SwiftKV source is kept as it is
+    if ckpt is None and opts is not None and fresh_conversion(source):
+        init_swiftkv(recipe, accelerator, model, train_rows)  # a trained SwiftKV source is kept as it is
     model = select_trainable(model, recipe)
     train_loader = DataLoader(  # rows stay in the datasets cache (Arrow, memory-mapped), read row by row
         train_rows,

@@ -1,4 +1,5 @@
-"""``swiftkv run|tasks|harness|quality|report|vllm-args``: thin CLIs over the eval functions."""
+"""``swiftkv run|tasks|harness|quality|report|vllm-args`` (through the front door, ``toolkit.cli``): thin CLIs
+over the eval functions."""
 
 from __future__ import annotations
 
@@ -127,21 +128,20 @@ def _command(args) -> str:
     from toolkit.checkpoint import open_checkpoint
 
     if args.command == "run":
-        from .job import run_job
+        from .job import job_config, run_job
 
-        return str(
-            run_job(
-                args.out,
-                args.quick,
-                args.fractions,
-                args.distill_steps,
-                args.model,
-                args.recipe,
-                args.device,
-                args.dtype,
-                args.launch,
-            )
+        config = job_config(
+            args.quick,
+            model=args.model,
+            recipe=args.recipe,
+            out=args.out,
+            fractions=args.fractions,
+            distill_steps=args.distill_steps,
+            device=args.device,
+            dtype=args.dtype,
+            launch=args.launch,
         )
+        return str(run_job(config))
     if args.command == "tasks":
         from .tasks import write_tasks
 
@@ -198,10 +198,6 @@ def _command(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .job import LaunchError
+    from distill.runs import LaunchError
 
     return run(_command, build_parser(), argv, errors=(LaunchError,))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,16 +1,24 @@
 """The main job: convert -> distill -> evaluate -> report, resumable, for the embedded default or any model.
 
-``run_job()`` runs every stage through ``toolkit.stages.run_stage``: a stage is skipped when its inputs are
-unchanged and reruns (with everything downstream) when they change; an interrupted distillation resumes from
-its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
+``run_job(config)`` runs every stage through ``toolkit.stages.run_stage``: a stage is skipped when its inputs
+are unchanged and reruns (with everything downstream) when they change; an interrupted distillation resumes
+from its last checkpoint.  It writes ``RUN_DIR/run.json`` (schema below) and ``RUN_DIR/report.md`` from it.
 
-The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub id, checked by
-``toolkit.checkpoint``); the distillation recipe is a shipped one (package data of ``distill``, so a
-non-editable install has them too: ``distill.recipe.recipe_path``) or a path.  ``device`` and
-``dtype`` place the evaluation stages (quality, speed, lm-eval; ``eval.quality.load_for_eval``); the
-distillation runs as its recipe says (``model.dtype``, ``train.mixed_precision``): in this process (one GPU
-when there is one), or with ``launch`` under ``accelerate launch`` on every GPU its config names.  The
-quality stage also writes its numbers into each SwiftKV folder's model card.
+A ``JobConfig`` holds everything the job needs and validates itself; ``FULL`` and ``QUICK`` are its two
+presets (``job_config`` applies a user's choices to one of them).  For each SwiftKV fraction the job
+
+1. converts the model (``convert-NAME``: ``swiftkv.convert`` with the recipe's layout and exact K/V window),
+   the checkpoint whose quality the report shows as "before";
+2. distills that checkpoint (``distill-NAME``, a ``distill.runs`` stage: the trainer applies the recipe's
+   K/V init to the fresh conversion), in this process or under ``accelerate launch`` on every GPU a
+   ``launch`` config names; the distillation's recipe is the shipped one with a typed update (the source,
+   the fraction, the steps, the output folder), written beside the run;
+
+then measures every checkpoint: quality against its own teacher (``eval.quality``; it also writes the numbers
+into each SwiftKV folder's model card), prefill and decode speed (``eval.speed``) and lm-eval tasks
+(``eval.harness``).  The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub
+id, checked by ``toolkit.checkpoint``); the recipe is a shipped one (``distill.recipe.recipe_path``) or a
+path.  ``device`` and ``dtype`` place the evaluation stages; the distillation runs as its recipe says.
 
 ``run.json``: ``{"meta": {model, machine, threads, device, dtype, date, prefill_lengths, seconds, quick},
 "commands": [the commands that reproduce each stage], "variants": [{name, dir, num_layers, swiftkv_layers,
@@ -20,15 +28,13 @@ prefill_speedup, decode_s, decode_ratio}, lm_eval, distill}]}``.
 
 from __future__ import annotations
 
-import json
 import platform
 import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
 LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
@@ -40,22 +46,96 @@ JOB_EPILOG = """examples:
       --launch recipes/accelerate/8gpu_zero2.yaml --device auto --dtype bfloat16 --out out/llama8b
 """
 
-FULL = dict(
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QualitySettings(_Settings):
+    """``eval.quality.evaluate_quality``'s sample sizes."""
+
+    n_conversations: int = Field(ge=1, description="held-out conversations for KL, agreement, perplexity")
+    seq_len: int = Field(ge=16, description="tokens of each conversation scored")
+    n_prompts: int = Field(ge=0, description="held-out prompts for greedy agreement of free generation")
+    max_new_tokens: int = Field(ge=1, description="tokens generated per prompt")
+    n_long: int = Field(
+        ge=0, description="conversations for the prompt-heavy row (replies after long prompts)"
+    )
+
+
+class SpeedSettings(_Settings):
+    """``eval.speed``'s interleaved prefill and decode timings."""
+
+    lengths: list[int] = Field(min_length=1, description="prompt lengths of the prefill timings")
+    repeats: int = Field(ge=1)
+    decode_context: int = Field(ge=1, description="tokens in the cache before the timed decode steps")
+    decode_steps: int = Field(ge=1)
+
+
+class HarnessSettings(_Settings):
+    """lm-eval on the offline ShareGPT tasks (``eval.tasks``)."""
+
+    limit: int = Field(ge=1, description="documents per task")
+    max_length: int = Field(ge=16)
+
+
+class JobConfig(_Settings):
+    """Everything the main job runs with; ``FULL`` and ``QUICK`` are the presets."""
+
+    model: str | None = Field(None, description="a folder or a Hub id; None: the embedded SmolLM2")
+    recipe: str = Field(DEFAULT_RECIPE, description="a shipped recipe's name or a recipe file")
+    out: Path | None = Field(None, description="run folder (default out/demo, out/demo-quick)")
+    fractions: list[float] = Field(min_length=1, description="SwiftKV fractions, each in (0, 1)")
+    distill_steps: int | None = Field(None, ge=1, description="optimizer steps (None: the recipe's)")
+    distill_overrides: list[str] = Field(default_factory=list, description="recipe key=value overrides")
+    quality: QualitySettings
+    speed: SpeedSettings
+    harness: HarnessSettings
+    n_docs: int = Field(ge=1, description="documents written per lm-eval task")
+    quick: bool = False
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    launch: Path | None = Field(None, description="accelerate config: distill under `accelerate launch`")
+
+    @field_validator("fractions")
+    @classmethod
+    def _in_unit_interval(cls, fractions: list[float]) -> list[float]:
+        if not all(0.0 < f < 1.0 for f in fractions):
+            raise ValueError(f"fractions {fractions} must lie in (0, 1), e.g. 0.25,0.5")
+        return fractions
+
+    @property
+    def run_dir(self) -> Path:
+        return (self.out or Path("out/demo-quick" if self.quick else "out/demo")).resolve()
+
+    def command(self) -> str:
+        """The ``swiftkv run`` command line that reproduces this job."""
+        preset = QUICK if self.quick else FULL
+        parts = ["swiftkv", "run", *([self.model] if self.model else []), "--out", str(self.run_dir)]
+        for flag, value, default in (
+            ("--recipe", self.recipe, DEFAULT_RECIPE),
+            ("--fractions", ",".join(map(str, self.fractions)), ",".join(map(str, preset.fractions))),
+            ("--distill-steps", self.distill_steps, preset.distill_steps),
+            ("--device", self.device, "cpu"),
+            ("--dtype", self.dtype, "float32"),
+            ("--launch", self.launch, None),
+        ):
+            if value != default:
+                parts += [flag, str(value)]
+        return shlex.join([*parts, *(["--quick"] if self.quick else [])])
+
+
+FULL = JobConfig(
     fractions=[0.25, 0.5],
-    distill_steps=None,  # the recipe's
-    distill=[],
-    quality=dict(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32, n_long=8),
-    lengths=[512, 1024, 2048],
-    repeats=3,
-    decode_context=1024,
-    decode_steps=10,
-    harness=dict(limit=50, max_length=1024),
+    quality=QualitySettings(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32, n_long=8),
+    speed=SpeedSettings(lengths=[512, 1024, 2048], repeats=3, decode_context=1024, decode_steps=10),
+    harness=HarnessSettings(limit=50, max_length=1024),
     n_docs=100,
 )
-QUICK = dict(
+QUICK = JobConfig(
     fractions=[0.5],
     distill_steps=4,
-    distill=[
+    distill_overrides=[
         "data.sources.0.max_samples=40",
         "data.seq_len=128",
         "checkpoint.every_steps=4",
@@ -63,55 +143,37 @@ QUICK = dict(
         "log.every_steps=1",
         "log.eval_every_steps=null",
     ],
-    quality=dict(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8, n_long=1),
-    lengths=[128, 256],
-    repeats=1,
-    decode_context=128,
-    decode_steps=3,
-    harness=dict(limit=5, max_length=256),
+    quality=QualitySettings(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8, n_long=1),
+    speed=SpeedSettings(lengths=[128, 256], repeats=1, decode_context=128, decode_steps=3),
+    harness=HarnessSettings(limit=5, max_length=256),
     n_docs=10,
+    quick=True,
 )
 
 
-class LaunchError(RuntimeError):
-    """A distillation under ``accelerate launch`` failed; its own error is on stderr above this one."""
+def job_config(quick: bool = False, **choices) -> JobConfig:
+    """The ``QUICK`` or ``FULL`` preset with a user's choices (``None`` keeps the preset's), validated; a bad
+    choice is one ``UsageError`` line."""
+    from toolkit.cliargs import UsageError
+
+    preset = QUICK if quick else FULL
+    fields = {**preset.model_dump(), **{k: v for k, v in choices.items() if v is not None}}
+    try:
+        return JobConfig.model_validate(fields)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(map(str, error["loc"])) or "job"
+        raise UsageError(
+            f"{where}: {error['msg']} (to resolve, pass another --{where.split('.')[0]})"
+        ) from None
 
 
-def job_settings(quick: bool, fractions: list[float] | None, distill_steps: int | None) -> dict:
-    """The job's settings: the full or quick preset with the user's overrides, validated."""
-    cfg = dict(QUICK if quick else FULL, quick=quick)
-    if fractions is not None:
-        if not fractions or not all(0.0 < f < 1.0 for f in fractions):
-            raise ValueError(
-                f"fractions {fractions} must lie in (0, 1) (to resolve, pass e.g. --fractions 0.25,0.5)"
-            )
-        cfg["fractions"] = fractions
-    if distill_steps is not None:
-        if distill_steps < 1:
-            raise ValueError(f"distill_steps={distill_steps} (to resolve, pass a positive number of steps)")
-        cfg["distill_steps"] = distill_steps
-    return cfg
+def run_job(config: JobConfig = FULL) -> Path:
+    """Run (or resume) the main job ``config`` into ``config.run_dir``; return the path of its ``report.md``."""
+    import torch
 
-
-def run_job(
-    run_dir: Path | None = None,
-    quick: bool = False,
-    fractions: list[float] | None = None,
-    distill_steps: int | None = None,
-    model: str | Path | None = None,
-    recipe: str | Path = DEFAULT_RECIPE,
-    device: str = "cpu",
-    dtype: str = "float32",
-    launch: str | Path | None = None,
-) -> Path:
-    """Run (or resume) the main job on ``model`` (default: the embedded SmolLM2) with ``recipe`` into ``run_dir``
-    (default ``out/demo``, ``out/demo-quick`` with ``quick``); return the path of its ``report.md``.
-
-    ``launch``: an accelerate config; each distillation then runs as ``accelerate launch --config_file LAUNCH
-    -m distill ...`` (all the GPUs it names) instead of in this process."""
     from distill.check import load_recipe_or_usage
     from distill.recipe import recipe_path
-    from swiftkv.card import quality_section, set_quality
     from toolkit.artifacts import read_provenance
     from toolkit.assets import fetch_model, fetch_sharegpt
     from toolkit.checkpoint import open_checkpoint
@@ -123,84 +185,53 @@ def run_job(
     from .report import write_report
     from .tasks import write_tasks
 
-    cfg = job_settings(quick, fractions, distill_steps)
-    check_placement(device, dtype)
-    if launch is not None and not Path(launch).is_file():
+    check_placement(config.device, config.dtype)
+    if config.launch is not None and not config.launch.is_file():
         raise UsageError(
-            f"accelerate config {launch} not found (to resolve, pass a file such as {LAUNCH_EXAMPLE})"
+            f"accelerate config {config.launch} not found (to resolve, pass a file such as {LAUNCH_EXAMPLE})"
         )
-    recipe_file = recipe_path(recipe)
-    load_recipe_or_usage(recipe_file, [])  # a bad recipe is refused before any work
-    source = open_checkpoint(model) if model is not None else None
-    run_dir = Path(run_dir or ("out/demo-quick" if quick else "out/demo")).resolve()
+    recipe_file = recipe_path(config.recipe)
+    recipe = load_recipe_or_usage(recipe_file, config.distill_overrides)  # refused before any work
+    source = open_checkpoint(config.model) if config.model is not None else None
+    run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     base = source.path if source is not None else fetch_model()
     fetch_sharegpt()
-    flags = "".join(
-        [
-            f" {source.name}" if source is not None else "",
-            f" --recipe {recipe}" if str(recipe) != DEFAULT_RECIPE else "",
-            f" --device {device}" if device != "cpu" else "",
-            f" --dtype {dtype}" if dtype != "float32" else "",
-            f" --launch {launch}" if launch is not None else "",
-            " --quick" if quick else "",
-        ]
-    )
-    commands = [f"swiftkv run --out {run_dir}{flags}"]
-    t0 = time.time()
     if source is not None:
         base_key = f"{source.name}@{source.revision}" if source.revision else str(base)
     else:
         base_key = read_provenance(base).get("gguf_sha256", str(base))
-    placement = {"device": device, "dtype": dtype}
+    placement = {"device": config.device, "dtype": config.dtype}
+    commands = [config.command()]
+    t0 = time.time()
     tasks_key, tasks_dir = run_stage(
         run_dir,
         "tasks",
-        {"n_docs": cfg["n_docs"], "data": "sharegpt"},
-        lambda: str(write_tasks(run_dir / "tasks", cfg["n_docs"])),
+        {"n_docs": config.n_docs, "data": "sharegpt"},
+        lambda: str(write_tasks(run_dir / "tasks", config.n_docs)),
     )
 
     variants = [dict(name="original", dir=str(base), fraction=0.0, key=base_key)]
-    for fraction in cfg["fractions"]:
+    for fraction in config.fractions:
         name = f"swiftkv{round(fraction * 100)}"
-        out = run_dir / f"distill-{name}"
-        steps = [f"train.max_steps={cfg['distill_steps']}"] if cfg["distill_steps"] else []
-        overrides = [
-            f"model.source={base}",
-            f"model.swiftkv.fraction={fraction}",
-            f"output_dir={out}",
-            *steps,
-            *cfg["distill"],
-        ]
-        loaded = load_recipe_or_usage(recipe_file, overrides)
-        command = ["-m", "distill", str(recipe_file), *overrides]
-        if launch is not None:
-            # --quiet: a failed one-process launch shows the distillation's error, not the launcher's trace
-            launcher = ["-m", "accelerate.commands.launch", "--quiet", "--config_file", str(launch)]
-            command = [*launcher, *command]
-        commands.append(shlex.join(["python", *command]))
-        key, result = run_stage(
-            run_dir,
-            f"distill-{name}",
-            {"recipe": loaded.model_dump(mode="json"), "base": base_key},
-            lambda loaded=loaded, command=command: _distill(loaded, command if launch is not None else None),
-            output=out,
-        )
+        converted, convert_key = _convert_stage(run_dir, name, base, base_key, recipe, fraction)
+        key, result = _distill_stage(run_dir, name, recipe, fraction, converted, convert_key, config)
         variants.append(
-            dict(
-                name=f"{name}-converted",
-                dir=str(out / "converted"),
-                fraction=fraction,
-                key=key,
-                before_of=name,
-            )
+            dict(name=f"{name}-converted", dir=str(converted), fraction=fraction, key=convert_key)
         )
         variants.append(dict(name=name, dir=result["model"], fraction=fraction, key=key, distill=result))
+        commands += [
+            f"swiftkv convert {base} {converted} --swiftkv-fraction {fraction}"
+            + (f" --exact-kv-window {recipe.model.exact_kv_window}" if recipe.model.exact_kv_window else ""),
+            shlex.join(["swiftkv", "distill", str(run_dir / "recipes" / f"distill-{name}.yaml")]),
+        ]
 
+    quality_settings = config.quality.model_dump()
     for v in variants:
         # before distillation only the all-prompt numbers are reported (the report's "before -> after")
-        settings = {**cfg["quality"], "served": False, "n_prompts": 0} if "before_of" in v else cfg["quality"]
+        before = v["name"].endswith("-converted")
+        settings = {**quality_settings, "served": False, "n_prompts": 0} if before else quality_settings
         _, v["quality"] = run_stage(
             run_dir,
             f"quality-{v['name']}",
@@ -208,83 +239,108 @@ def run_job(
             lambda v=v, settings=settings: evaluate_quality(v["dir"], **settings, **placement),
         )
         if v["fraction"]:  # the SwiftKV folders this job wrote (never the user's model) carry the numbers
-            set_quality(
-                Path(v["dir"]),
-                quality_section(
-                    v["quality"],
-                    f"`swiftkv run` ({dtype} on {device}): on {cfg['quality']['n_conversations']} "
-                    "held-out ShareGPT conversations against the teacher (KL at T = 1, top-1 agreement, "
-                    "perplexities; all prompt: every position as a prompt token; served: each reply with "
-                    "everything before it as prompt, as a server computes it) and greedy agreement on "
-                    f"{cfg['quality']['n_prompts']} held-out prompts.",
-                ),
-            )
-    measured = [v for v in variants if "before_of" not in v]
-    speed_inputs = {
-        "models": [v["key"] for v in measured],
-        **{k: cfg[k] for k in ("lengths", "repeats", "decode_context", "decode_steps")},
-        **placement,
-    }
-    _, speed = run_stage(run_dir, "speed", speed_inputs, lambda: _speed(measured, cfg, device, dtype))
+            _card_quality(Path(v["dir"]), v["quality"], config)
+    measured = [v for v in variants if not v["name"].endswith("-converted")]
+    speed_inputs = {"models": [v["key"] for v in measured], **config.speed.model_dump(), **placement}
+    _, speed = run_stage(run_dir, "speed", speed_inputs, lambda: _speed(measured, config))
     for v in measured:
         _, v["lm_eval"] = run_stage(
             run_dir,
             f"lm_eval-{v['name']}",
-            {"model": v["key"], "tasks": tasks_key, **cfg["harness"], **placement},
+            {"model": v["key"], "tasks": tasks_key, **config.harness.model_dump(), **placement},
             lambda v=v: run_harness(
                 v["dir"],
                 ["sharegpt_ppl", "sharegpt_mc"],
                 tasks_dir,
                 batch_size=4,
-                **cfg["harness"],
+                **config.harness.model_dump(),
                 **placement,
             ),
         )
         commands.append(
-            f"swiftkv harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc "
-            f"--tasks-dir {tasks_dir} --limit {cfg['harness']['limit']} --device {device} --dtype {dtype}"
+            f"swiftkv harness {v['dir']} --tasks sharegpt_ppl,sharegpt_mc --tasks-dir {tasks_dir} "
+            f"--limit {config.harness.limit} --device {config.device} --dtype {config.dtype}"
         )
     commands.append(f"swiftkv report {run_dir}")
     name = source.name if source is not None else str(base)
-    write_run_json(run_dir, name, cfg, measured, variants, speed, commands, time.time() - t0, device, dtype)
+    write_run_json(run_dir, name, config, measured, variants, speed, commands, time.time() - t0)
     return write_report(run_dir)
 
 
-def _distill(recipe, command: list[str] | None = None) -> dict:
-    """Run one distillation, in this process or (``command``) as ``python COMMAND``, and read back its result."""
-    from distill.train import train
+def _convert_stage(run_dir: Path, name: str, base: Path, base_key: str, recipe, fraction: float):
+    """(folder, key) of ``convert-NAME``: the model in SwiftKV form at ``fraction`` with the recipe's AcrossKV
+    groups and exact K/V window, before any training."""
+    from swiftkv.convert import convert
+    from toolkit.stages import run_stage
 
-    from .report import read_curve
-
-    if command is None:
-        model_dir = train(recipe)
-    else:
-        status = subprocess.run([sys.executable, *command]).returncode
-        if status != 0:
-            raise LaunchError(
-                f"the distillation into {recipe.output_dir} failed under accelerate launch (exit status "
-                f"{status}) (to resolve, fix the error printed above and run the job again: the stages "
-                "already done are skipped)"
+    group_size = recipe.model.swiftkv.group_size if recipe.model.swiftkv else 1
+    window = recipe.model.exact_kv_window or 0
+    out = run_dir / f"convert-{name}"
+    layout = {"fraction": fraction, "group_size": group_size, "exact_kv_window": window}
+    key, folder = run_stage(
+        run_dir,
+        f"convert-{name}",
+        {"base": base_key, **layout},
+        lambda: str(
+            convert(
+                base,
+                out,
+                swiftkv_fraction=fraction,
+                group_size=group_size,
+                exact_kv_window=window,
+                force=True,
             )
-        model_dir = Path(recipe.output_dir) / "model"
-    out = Path(recipe.output_dir)
-    final = json.loads((out / "final_metrics.json").read_text())
-    curve = read_curve(out)
-    initial = curve[0]["eval_kl"] if curve and curve[0]["step"] == 0 else None
-    return {"model": str(model_dir), "initial_eval_kl": initial, **final, "curve": curve}
+        ),
+    )
+    return Path(folder), key
 
 
-def _speed(measured: list[dict], cfg: dict, device: str, dtype: str) -> dict:
+def _distill_stage(
+    run_dir: Path, name: str, recipe, fraction: float, converted: Path, convert_key: str, config
+):
+    """(key, result) of ``distill-NAME``: the recipe, typed, with the converted checkpoint as its source."""
+    from distill.recipe import SwiftKVOptions
+    from distill.runs import distill_stage
+
+    opts = recipe.model.swiftkv or SwiftKVOptions(fraction=fraction)
+    swiftkv = opts.model_copy(update={"fraction": fraction, "num_key_value_layers": None})
+    model = recipe.model.model_copy(update={"source": str(converted), "swiftkv": swiftkv})
+    train = recipe.train.model_copy(update={"max_steps": config.distill_steps or recipe.train.max_steps})
+    student = recipe.model_copy(
+        update={"model": model, "train": train, "output_dir": str(run_dir / f"distill-{name}")}
+    )
+    return distill_stage(run_dir, f"distill-{name}", student, {"source": convert_key}, config.launch)
+
+
+def _card_quality(model_dir: Path, quality: dict, config: JobConfig) -> None:
+    from swiftkv.card import quality_section, set_quality
+
+    set_quality(
+        model_dir,
+        quality_section(
+            quality,
+            f"`swiftkv run` ({config.dtype} on {config.device}): on {config.quality.n_conversations} held-out "
+            "ShareGPT conversations against the teacher (KL at T = 1, top-1 agreement, perplexities; all prompt: "
+            "every position as a prompt token; served: each reply with everything before it as prompt, as a "
+            f"server computes it) and greedy agreement on {config.quality.n_prompts} held-out prompts.",
+        ),
+    )
+
+
+def _speed(measured: list[dict], config: JobConfig) -> dict:
     """Prefill and decode times of every measured variant, interleaved (``eval.speed``), as ratios to the original."""
     from .quality import load_for_eval
     from .speed import decode_times, prefill_times
 
-    models = {v["name"]: load_for_eval(v["dir"], device, dtype)[0] for v in measured}
+    settings = config.speed
+    models = {v["name"]: load_for_eval(v["dir"], config.device, config.dtype)[0] for v in measured}
     out = {name: {"prefill_s": {}} for name in models}
-    for n in cfg["lengths"]:
-        for name, t in prefill_times(models, 1, n, cfg["repeats"]).items():
+    for n in settings.lengths:
+        for name, t in prefill_times(models, 1, n, settings.repeats).items():
             out[name]["prefill_s"][str(n)] = t
-    for name, t in decode_times(models, cfg["decode_context"], cfg["decode_steps"], cfg["repeats"]).items():
+    for name, t in decode_times(
+        models, settings.decode_context, settings.decode_steps, settings.repeats
+    ).items():
         out[name]["decode_s"] = t
     for name in models:
         out[name]["prefill_speedup"] = {
@@ -295,15 +351,18 @@ def _speed(measured: list[dict], cfg: dict, device: str, dtype: str) -> dict:
 
 
 def write_run_json(
-    run_dir, model, cfg, measured, variants, speed, commands, seconds, device="cpu", dtype="float32"
+    run_dir: Path, model: str, config: JobConfig, measured, variants, speed, commands, seconds: float
 ) -> None:
     """``RUN_DIR/run.json`` (the schema in the module docstring), written atomically."""
-    from swiftkv.convert import read_config
+    import torch
+
     from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
     from toolkit.artifacts import write_json_atomic
+    from toolkit.checkpoint import read_config
 
     rows = []
     quality = {v["name"]: v["quality"] for v in variants}
+    lengths = config.speed.lengths
     for v in measured:
         shape = Shape.from_config(read_config(Path(v["dir"])))
         rows.append(
@@ -314,7 +373,7 @@ def write_run_json(
                 swiftkv_layers=shape.layers - shape.num_key_value_layers,
                 group_size=shape.group_size,
                 kv_bytes_per_token=kv_bytes_per_token(shape, 2, v["name"] != "original"),
-                ideal_prefill_speedup={str(n): ideal_prefill_speedup(shape, n) for n in cfg["lengths"]},
+                ideal_prefill_speedup={str(n): ideal_prefill_speedup(shape, n) for n in lengths},
                 quality=v["quality"],
                 quality_before=quality.get(f"{v['name']}-converted"),
                 speed=speed[v["name"]],
@@ -322,7 +381,7 @@ def write_run_json(
                 distill=v.get("distill"),
             )
         )
-    if device == "cpu" or not torch.cuda.is_available():
+    if config.device == "cpu" or not torch.cuda.is_available():
         machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     else:
         machine = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
@@ -330,11 +389,11 @@ def write_run_json(
         model=model,
         machine=machine,
         threads=torch.get_num_threads(),
-        device=device,
-        dtype=dtype,
+        device=config.device,
+        dtype=config.dtype,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        prefill_lengths=cfg["lengths"],
+        prefill_lengths=lengths,
         seconds=round(seconds),
-        quick=cfg["quick"],
+        quick=config.quick,
     )
     write_json_atomic(run_dir / "run.json", {"meta": meta, "commands": commands, "variants": rows})

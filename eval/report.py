@@ -15,6 +15,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from distill.runs import read_curve  # noqa: E402
+from toolkit.artifacts import save_figure, write_text_atomic  # noqa: E402
+
 
 def _fmt(value, spec: str = ".3f") -> str:
     return "–" if value is None else format(value, spec)
@@ -91,9 +94,7 @@ def plots(run: dict, out: Path) -> list[Path]:
     ax.set(xlabel="prompt tokens", ylabel="prefill ms (median)", title="Prefill time vs prompt length")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    prefill_png = out / "prefill_vs_length.png"
-    fig.savefig(prefill_png, dpi=120)
-    plt.close(fig)
+    prefill_png = save_figure(fig, out / "prefill_vs_length.png")
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     n = str(lengths[-1])
@@ -115,24 +116,8 @@ def plots(run: dict, out: Path) -> list[Path]:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    quality_png = out / "quality_vs_prefill.png"
-    fig.savefig(quality_png, dpi=120)
-    plt.close(fig)
+    quality_png = save_figure(fig, out / "quality_vs_prefill.png")
     return [prefill_png, quality_png]
-
-
-def read_curve(out: str | Path) -> list[dict]:
-    """The held-out evaluations of a distillation (``out/log.jsonl``) that carry their token count, one per step
-    in step order; a resumed run's records replace those the interrupted run wrote for the same steps."""
-    path = Path(out) / "log.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; to resolve, pass the output_dir of a distillation run")
-    by_step = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "eval_kl" in record and "train_tokens" in record:
-            by_step[record["step"]] = record
-    return [by_step[k] for k in sorted(by_step)]
 
 
 def _ppl_ratio(record: dict) -> float:
@@ -166,9 +151,7 @@ def curve_plot(curves: dict[str, list[dict]], path: Path) -> Path:
     kl_ax.legend(fontsize=7)
     fig.suptitle("Distillation: held-out quality vs tokens trained", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_report(run_dir: str | Path, curve_runs: list[str | Path] = ()) -> Path:
@@ -180,7 +163,7 @@ def write_report(run_dir: str | Path, curve_runs: list[str | Path] = ()) -> Path
     path = run_dir / "run.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} not found; to resolve, run the demo (scripts/demo.py) into {run_dir} first"
+            f"{path} not found; to resolve, run the main job (swiftkv run --out {run_dir}) first"
         )
     run = json.loads(path.read_text())
     curves = {
@@ -230,6 +213,4 @@ def write_report(run_dir: str | Path, curve_runs: list[str | Path] = ()) -> Path
         *[f"    {c}" for c in run["commands"]],
         "",
     ]
-    report = run_dir / "report.md"
-    report.write_text("\n".join(lines))
-    return report
+    return write_text_atomic(run_dir / "report.md", "\n".join(lines))

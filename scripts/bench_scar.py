@@ -64,10 +64,10 @@ import scipy.stats
 import torch
 from tqdm.auto import tqdm
 
+from distill.runs import read_curve
 from distill.scar.config import ScarConfig
 from distill.scar.faults import damage_blocks, kill_process, pick_blocks
 from distill.scar.running import RunningCheckpoint
-from eval.report import read_curve
 from toolkit.artifacts import write_json_atomic
 from toolkit.cliargs import ArgumentParser, add_out, existing_path, run
 
@@ -331,7 +331,7 @@ def trainer_env() -> dict:
 
 
 def held_out(out: Path) -> dict[int, float]:
-    """Held-out KL per step from the run's log (``eval.report.read_curve``: a resumed run's records replace
+    """Held-out KL per step from the run's log (``distill.runs.read_curve``: a resumed run's records replace
     the killed run's, and a resume from the running checkpoint logs the recovered state at its step)."""
     return {record["step"]: record["eval_kl"] for record in read_curve(out)}
 

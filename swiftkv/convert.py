@@ -44,6 +44,8 @@ from toolkit.checkpoint import FAMILIES, read_config, weight_files
 from .card import CARD_FILE, copy_licence_files, source_identity, write_card
 
 logger = logging.getLogger(__name__)
+# provenance.json's "stage" of a conversion: a checkpoint never trained (distill applies its K/V init to it)
+CONVERT_STAGE = "swiftkv convert"
 
 # families whose attention normalizes each query/key head (their SwiftKV layers get q/k_norm_swiftkv)
 HEAD_NORM_FAMILIES = ("qwen3_swiftkv",)
@@ -421,7 +423,7 @@ def convert(
         write_card(tmp, src, config, made_by, name=dst.name)
         write_provenance(
             tmp,
-            "swiftkv convert",
+            CONVERT_STAGE,
             source=str(src.resolve()),
             source_id=source_id,
             source_revision=revision,

@@ -66,13 +66,31 @@ def sha256_file(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
-    """Write JSON to ``path`` through a temp file and rename, so readers never see a partial file."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temp file and rename, so readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
+    """``payload`` as indented JSON at ``path``, written atomically."""
+    return write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """A matplotlib figure as ``path`` (its suffix picks the format), written atomically, then closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def write_provenance(out_dir: str | os.PathLike, stage: str, **fields: Any) -> None:

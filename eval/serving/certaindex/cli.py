@@ -214,7 +214,3 @@ def _command(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run(_command, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

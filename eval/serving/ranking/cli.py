@@ -237,7 +237,3 @@ def _simulate(args) -> None:
             args.out,
             {"cost_model": cost.__dict__, "config": config.__dict__, "results": results_json(results)},
         )
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
