@@ -163,9 +163,8 @@ def job_config(quick: bool = False, **choices) -> JobConfig:
     except ValidationError as e:
         error = e.errors()[0]
         where = ".".join(map(str, error["loc"])) or "job"
-        raise UsageError(
-            f"{where}: {error['msg']} (to resolve, pass another --{where.split('.')[0]})"
-        ) from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise UsageError(f"{where}: {message} (to resolve, pass another --{where.split('.')[0]})") from None
 
 
 def run_job(config: JobConfig = FULL) -> Path:
