@@ -18,7 +18,7 @@ new projections).  Checks, in this order:
    prompt; the SwiftKV models first, the original last as the control;
 4. ``eval quality`` on the device (``eval.quality.evaluate_quality``, which also imports ``distill``'s data
    and objective modules: "not installed" where their dependencies are missing): a tiny random SwiftKV
-   checkpoint with the tests' byte-level chat tokenizer (``tests/tiny_chat.py``) on conversations written
+   checkpoint with the tests' byte-level chat tokenizer (``tests/helpers/chat.py``) on conversations written
    here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
 5. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
@@ -323,7 +323,7 @@ def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
         return [{"status": "skipped (time budget)"}]
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from tiny_chat import byte_tokenizer
+        from helpers.chat import byte_tokenizer
 
         from eval.quality import evaluate_quality
         from swiftkv.convert import save_pretrained_swiftkv

@@ -1,0 +1,130 @@
+"""ngram ranker and recorded ShareGPT lengths: the hash, the scorer against the fitted regression, training that
+learns, the export round trip, vLLM's length filter, the one-feature baseline."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers.ranking import synthetic_pairs
+
+from eval.serving.ranking.cli import main
+from eval.serving.ranking.labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+from eval.serving.ranking.ngram import NgramScorer, count_matrix, design, fit, hashed_ngrams
+from eval.serving.ranking.predictors import Ranker
+from eval.serving.ranking.traces import load_traces, read_meta
+from eval.serving.ranking.train import (
+    TrainConfig,
+    evaluate_ranker,
+    one_feature_fit,
+    one_feature_scores,
+    train_ranker,
+)
+
+
+def test_hash_is_fixed_and_in_range():
+    ids = np.array([5, 7, 5, 7, 9], np.uint64)
+    slots = hashed_ngrams(ids, 2, 2, 20)
+    assert slots.tolist() == hashed_ngrams(ids.copy(), 2, 2, 20).tolist()
+    assert slots[0] == slots[2] and slots[0] != slots[1]  # (5,7) twice
+    assert slots.min() >= 0 and slots.max() < 1 << 20
+    assert len(hashed_ngrams(ids[:1], 2, 2, 20)) == 0
+
+
+def test_scorer_equals_the_regression(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pairs = synthetic_pairs(200)
+    ids = tok([p for p, _ in pairs]).input_ids
+    lengths = np.array([len(r.split()) for _, r in pairs])
+    tensors = fit(ids, lengths, bits=14, edge=4, alpha=0.5)
+    scorer = NgramScorer(tensors, bits=14, edge=4)
+    x, n = count_matrix(ids, 14, 4)
+    w = np.r_[tensors["weight"], tensors["length_weight"]].astype(np.float64)
+    expected = design(x, n, tensors["idf"].astype(np.float64)) @ w + tensors["bias"][0]
+    np.testing.assert_allclose(-scorer.scores(ids), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="retrain"):
+        NgramScorer(tensors, bits=15, edge=4)
+
+
+def test_labels_follow_vllm_filter(sharegpt_file, tokenizer_dir, tmp_path):
+    file = sharegpt_lengths(tokenizer_dir, tmp_path / "lengths", data=sharegpt_file, records="all")
+    traces = load_traces(file)
+    assert len(traces) == 400  # duplicate, short prompt/reply, long prompt/total and one-turn rows dropped
+    assert traces[0].output_len == len(synthetic_pairs(400)[0][1].split())
+    assert all(
+        4 <= t.prompt_len <= 1024 and t.output_len >= 4 and t.prompt_len + t.output_len <= 2048
+        for t in traces
+    )
+    assert read_meta(file)["source"] == "sharegpt-recorded"
+    assert len(first_pairs(sharegpt_file)) == 405
+    out = write_sharegpt_json(first_pairs(sharegpt_file)[:3], tmp_path / "sg.json")
+    assert json.loads(out.read_text())[2]["conversations"][1]["from"] == "gpt"
+    with pytest.raises(ValueError, match="records"):
+        sharegpt_lengths(tokenizer_dir, tmp_path / "x", data=sharegpt_file, records="test")
+
+
+def test_one_feature_baseline_learns_any_shape():
+    rng = np.random.default_rng(0)
+    p = rng.integers(4, 1000, 2000)
+    y = np.where((p > 300) & (p < 600), 500, 20)  # not monotone in prompt length
+    fit_ = one_feature_fit(p, y)
+    from scipy.stats import kendalltau
+
+    assert kendalltau(one_feature_scores(fit_, p), -y).statistic > 0.7
+    assert abs(kendalltau(-p, -y).statistic) < 0.5
+
+
+def test_train_evaluate_roundtrip(sharegpt_file, tokenizer_dir, tmp_path):
+    traces = tmp_path / "lengths"
+    sharegpt_lengths(tokenizer_dir, traces, data=sharegpt_file, records="all")
+    out = train_ranker(traces, tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=14, ngram_edge=4))
+    result = evaluate_ranker(out, traces)
+    assert result["kind"] == "ngram" and result["objective"] == "regression"
+    assert result["kendall_tau_raw"] > 0.6 > abs(result["prompt_len_tau_raw"])
+    assert result["kendall_tau_raw"] > result["one_feature_tau_raw"]
+    ranker = Ranker(out)  # no target model needed
+    s = ranker.score(["short tell me", "essay about cats and dogs please"])
+    assert s[0] > s[1]
+    ids = ranker.tokenizer(["short tell me"]).input_ids
+    np.testing.assert_allclose(ranker.score_ids(ids), s[:1], rtol=1e-6)
+    assert len(ranker.score([])) == 0
+
+
+def test_cli_labels_train_evaluate(sharegpt_file, tokenizer_dir, tmp_path, capsys):
+    assert (
+        main(
+            [
+                "labels",
+                str(tokenizer_dir),
+                "--out",
+                str(tmp_path / "l"),
+                "--data",
+                str(sharegpt_file),
+                "--records",
+                "all",
+                "--sharegpt-json",
+                str(tmp_path / "sg.json"),
+            ]
+        )
+        == 0
+    )
+    assert len(json.loads((tmp_path / "sg.json").read_text())) == 405
+    assert (
+        main(
+            [
+                "train",
+                str(tmp_path / "l"),
+                "--out",
+                str(tmp_path / "r"),
+                "--kind",
+                "ngram",
+                "--ngram-bits",
+                "12",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "r"), str(tmp_path / "l")]) == 0
+    assert json.loads(capsys.readouterr().out)["kendall_tau_raw"] > 0.5

@@ -1,0 +1,243 @@
+"""scripts/gpu_check.py --tiny: the GPU check's own code, run on the CPU with a tiny config, end to end; its
+verdict is never ``ok`` for what did not run (a CPU run, a step past the budget, a vLLM part not run), and on a
+machine without a GPU it says so in one line with a status of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT
+
+
+def run_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--tiny", "--out", str(out), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    return result, json.loads(out.read_text()) if out.is_file() else None
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_check(tmp_path):
+    result, report = run_check(tmp_path, "--compile-backend", "none", "--lengths", "32,64")
+    assert result.returncode == 3, result.stderr[-3000:]  # incomplete: the vLLM part never runs on --tiny
+    assert report["verdict"] == "incomplete" and report["skipped"] == []
+    assert report["meta"]["variants"] == {"swiftkv25": 6, "swiftkv50": 4}  # of 8 layers
+    models = ["original", "swiftkv25", "swiftkv50"]
+
+    prefill = report["prefill"]
+    assert [(r["length"], r["model"]) for r in prefill] == [(n, m) for n in (32, 64) for m in models]
+    for r in prefill:
+        assert len(r["times_s"]) == 3 and r["median_s"] > 0 and r["peak_memory_bytes"] is None  # CPU
+        assert r["ideal"] == 1.0 if r["model"] == "original" else 1.0 < r["ideal"] < 2.0
+        assert r["speedup"] == pytest.approx(r["of_ideal"] * r["ideal"])
+
+    parity = {(r["model"], r["backend"]): r for r in report["attention_parity"]}
+    assert set(parity) == {(m, b) for m in models for b in ("eager", "flash_attention_2")}
+    for m in models:
+        assert parity[m, "eager"]["status"] == "ok" and parity[m, "eager"]["rel_max_diff"] < 1e-4
+        assert parity[m, "flash_attention_2"]["status"] == "not installed"  # CPU: flash never loads
+
+    static = report["static_compile_parity"]
+    assert [r["model"] for r in static] == ["swiftkv25", "swiftkv50", "original"]  # the control last
+    for r in static:
+        assert r["status"] == "ok" and r["static"] == r["dynamic"] and len(r["dynamic"]) == 16
+    assert "peak_bytes" in report["memory"] and set(report["meta"]["step_s"]) == {
+        "build",
+        "attention_parity",
+        "static_compile_parity",
+        "prefill",
+        "eval_quality",
+    }
+    fp32, bf16 = report["eval_quality"]  # eval quality on the device (the CPU here) in both dtypes
+    assert (fp32["dtype"], bf16["dtype"], bf16["device"], bf16["status"]) == (
+        "float32",
+        "bfloat16",
+        "cpu",
+        "ok",
+    )
+    assert fp32["tokens"] == bf16["tokens"] > 0 and abs(bf16["kl"] - fp32["kl"]) <= 0.01
+    assert "| 64 | swiftkv50 |" in result.stdout  # the table
+    assert report["vllm"] == {"status": "skipped", "reason": "--tiny (CPU)", "verdict": "incomplete"}
+    assert "verdict: incomplete" in result.stdout
+
+
+@pytest.mark.slow
+def test_time_budget_skips_what_would_not_fit(tmp_path):
+    result, report = run_check(tmp_path, "--compile-backend", "none", "--budget-s", "0", "--lengths", "32")
+    assert result.returncode == 3 and report["verdict"] == "incomplete", result.stderr[-3000:]
+    skipped = [s["step"] for s in report["skipped"]]
+    assert "prefill 32" in skipped and "static+compile parity swiftkv50" in skipped
+    assert report["prefill"] == [] and all(
+        s["reason"].startswith("past the 0 s budget") for s in report["skipped"]
+    )
+    assert "skipped prefill 32: past the 0 s budget" in result.stdout
+
+
+def test_vllm_section_not_run_is_incomplete(tmp_path):
+    """This venv has no vLLM (it lives in .venv-vllm): the vLLM section says so and the verdict is incomplete."""
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--out", str(out)]
+    result = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    reason = f"vLLM is not installed for {sys.executable} (--vllm skip: not wanted)"
+    assert report["vllm"] == {"status": "skipped", "reason": reason, "verdict": "incomplete"}
+    assert report["verdict"] == "incomplete" and "verdict: incomplete" in result.stdout
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
+def test_no_gpu_is_one_line_and_its_own_status(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 4 and result.stdout == "" and not out.exists()
+    assert result.stderr.startswith("no GPU: no CUDA device is visible, nothing was checked (to resolve, ")
+    assert result.stderr.count("\n") == 1
+
+
+# -- scripts/gpu_check_vllm.py: the row logic, without vLLM ----------------------------------------------------
+def vllm_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_vllm", ROOT / "scripts" / "gpu_check_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vllm_rows_run_in_order_of_value_with_the_control_last():
+    check = vllm_check()
+    names = [r.name for r in check.plan()]
+    assert names[:3] == ["swiftkv50", "swiftkv50_g2", "swiftkv50_exact"] and names[-1] == "control"
+    assert len(set(names)) == len(names)
+    for needed in ("swiftkv50-ngram", "swiftkv50_g2-fp8", "swiftkv50-preempt", "qwen2-swiftkv50",
+                   "qwen3-swiftkv50_g2", "swiftkv50-v1", "swiftkv50-ngram-v1"):  # fmt: skip
+        assert needed in names
+    rows = {r.name: r for r in check.plan()}
+    assert rows["swiftkv50-v1"].env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and rows["swiftkv50"].env == {}
+    assert not rows["swiftkv50-fp8"].reference and rows["swiftkv50-ngram"].reference
+    # the default budget holds every row's estimate with half as much again to spare
+    assert 1.5 * sum(r.estimate_s for r in check.plan()) <= 2400
+
+
+def ran(name: str, engines: float = 0.0, reference: float | None = 0.0, **extra) -> dict:
+    row = {"name": name, "status": "ran", "engines": {"max_abs": engines, "divergences": 0, "tie_gap": 0.0},
+           "prefix_hits": 64, "preemptions": 0}  # fmt: skip
+    if reference is not None:
+        row["reference"] = {"max_abs": reference, "tie_gap": 0.0}
+    return {**row, **extra}
+
+
+def test_vllm_verdict_uses_the_controls_spread_and_is_never_ok_with_a_row_not_run():
+    check = vllm_check()
+    control = ran("control", engines=0.01, reference=0.03)
+    status, tol = check.verdict([ran("a", 0.025, 0.08), dict(control)])
+    assert status == "ok" and tol == {"engines": pytest.approx(0.03), "reference": pytest.approx(0.09)}
+    rows = [ran("a", 0.04, 0.08), dict(control)]
+    assert check.verdict(rows)[0] == "FAIL" and "against its twin engine: 0.0400" in rows[0]["why"][0]
+    assert check.verdict([ran("a"), {"name": "b", "status": "not run"}, dict(control)])[0] == "incomplete"
+    assert check.verdict([ran("a")]) == ("incomplete", None)  # no control: nothing judged
+    assert check.verdict([ran("a", 9.0), ran("control", 0.0, 0.0)])[0] == "FAIL"  # the floor, not 0
+    assert check.verdict([ran("a", prefix_hits=0), dict(control)])[0] == "FAIL"
+    preempt = ran("swiftkv50-preempt", prefix_hits=0)
+    assert check.verdict([preempt, dict(control)])[0] == "FAIL" and preempt["why"] == [
+        "no request was preempted"
+    ]
+    failed = {"name": "a", "status": "FAIL", "why": ["an engine failed: ..."]}
+    assert check.verdict([failed, {"name": "control", "status": "not run"}])[0] == "FAIL"
+
+
+def test_vllm_rows_stop_at_the_budget_by_their_estimates():
+    check = vllm_check()
+    now = [0.0]
+
+    def serve(row):
+        now[0] += 100.0
+        return {"status": "ran"}
+
+    rows = check.plan()[:4]
+    out = check.run_rows(rows, serve, budget_s=250.0, clock=lambda: now[0])
+    assert [r["status"] for r in out] == ["ran", "ran", "not run", "not run"]
+    assert out[2]["why"] == ["time budget: 200 s + 90 s > 250 s"]
+
+
+def test_vllm_comparisons_follow_greedy_prefixes_and_near_ties():
+    check = vllm_check()
+
+    def request(tokens, logprobs, top2):
+        return {"tokens": tokens, "logprobs": logprobs, "top2": top2}
+
+    a = request(
+        [5, 6, 7], [-0.1, -0.2, -0.3], [[[5, -0.1], [9, -3]], [[6, -0.2], [8, -0.21]], [[7, -0.3], [1, -4]]]
+    )
+    b = request(
+        [5, 8, 2], [-0.12, -0.19, -1.0], [[[5, -0.12], [9, -3]], [[8, -0.19], [6, -0.2]], [[2, -1], [3, -2]]]
+    )
+    diff = check.engine_diff([a], [b])
+    # tokens 0 compare; at 1 they diverge on a near tie (0.01 in both engines); nothing after is compared
+    assert diff["divergences"] == 1 and diff["max_abs"] == pytest.approx(0.02)
+    assert diff["tie_gap"] == pytest.approx(0.01)
+    c = request(
+        [5, 4, 2], [-0.1, -0.5, -1.0], [[[5, -0.1], [9, -3]], [[4, -0.5], [3, -0.6]], [[2, -1], [3, -2]]]
+    )
+    assert check.engine_diff([a], [c])["tie_gap"] == float("inf")  # 4 is not in a's top 2: no tie
+    ref = check.reference_diff([a], [{"logprobs": [-0.1, -0.25, -0.3], "gaps": [0.0, 0.02, 0.0]}])
+    assert ref == {"max_abs": pytest.approx(0.05), "tie_gap": pytest.approx(0.02)}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
+    """The rows' own code on vLLM's CPU build (fp32, eager): an exact-K/V row and the control pass with the
+    transformers path's log-probabilities, prefix hits in the second pass and the long prompt chunked; a chosen
+    subset is at best incomplete; without --cpu on a machine without a GPU it refuses in one line, and so it does
+    when the reference's interpreter has vLLM's older transformers."""
+    from eval.serving.vllm.cpu import cpu_environment
+
+    env = {**os.environ, **cpu_environment(tmp_path)}
+    out = tmp_path / "check.json"
+    cmd = [
+        vllm_python,
+        "scripts/gpu_check_vllm.py",
+        "--cpu",
+        "--rows",
+        "swiftkv50_exact,control",
+        "--reference-python",
+        sys.executable,
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
+    assert result.returncode == 3, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert report["verdict"] == "incomplete" and list(rows) == ["swiftkv50_exact", "control"]
+    for row in rows.values():
+        assert row["status"] == "ok", row.get("why")
+        assert row["prefix_hits"] > 0 and row["reference"]["max_abs"] < 1e-3  # fp32 against fp32
+    assert rows["swiftkv50_exact"]["twin"] == {"enforce_eager": True}  # exact K/V keep fast prefill on
+    assert report["tolerances"]["engines"] == 0.02  # fp32 engines agree: the floor
+    assert "verdict: incomplete" in result.stdout
+    if not torch.cuda.is_available():
+        refused = subprocess.run(
+            [vllm_python, "scripts/gpu_check_vllm.py"], cwd=ROOT, capture_output=True, text=True, env=env
+        )
+        assert refused.returncode == 4 and refused.stderr.startswith("no GPU: no CUDA device is visible")
+    # vLLM's own transformers is older than this package's: the reference there is refused before any work
+    stale = subprocess.run(
+        [vllm_python, "scripts/gpu_check_vllm.py", "--cpu", "--reference-python", str(vllm_python)],
+        cwd=ROOT, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert stale.returncode == 2 and "this package needs" in stale.stderr and stale.stderr.count("\n") == 1
