@@ -895,6 +895,53 @@ def test_decode_stack_keeps_graphs_for_the_sizes_vllm_captures_under_speculation
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_exact_kv_attention_takes_queries_as_vllms_attention_layer_does(vllm_python, tmp_path):
+    """An FP8 KV cache on a backend that takes FP8 queries (FlashAttention 3, the default on H100/H200, and Triton
+    on CUDA) gives each attention layer a query quantizer, which ``Attention.forward`` applies before the backend
+    reads the cache with the q scale: the exact-K/V attention call (``attend_after``, which bypasses that forward)
+    quantizes the same way, with the layer's ``_q_scale``, and returns the unquantized dtype; without a quantizer,
+    or on a backend that takes no FP8 queries, the query goes in as it is."""
+    proc = run_in_vllm_venv(
+        """
+        import json
+        from types import SimpleNamespace
+        import torch
+        import eval.serving.vllm.exact as exact
+
+        seen = []
+
+        def attention(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
+            seen.append(query)
+            output.copy_(query.float())
+
+        exact.unified_attention_with_output = attention  # the backend call, recorded
+        scale, query = torch.tensor(0.5), torch.randn(3, 2 * 4, dtype=torch.bfloat16)
+        quantized = (query / scale).to(torch.float8_e4m3fn)
+        results = {}
+        for case, quantizer, takes_fp8 in (("fp8 backend", True, True), ("other backend", True, False),
+                                           ("no quantizer", False, True)):
+            attn = SimpleNamespace(
+                num_heads=2, head_size=4, use_direct_call=True, layer_name="layer", _q_scale=scale,
+                query_quant=(lambda q, s: ((q / s).to(torch.float8_e4m3fn), None)) if quantizer else None,
+                impl=SimpleNamespace(supports_quant_query_input=takes_fp8),
+            )
+            out = exact.attend_after(attn, query, query.new_empty(0))
+            given = seen[-1].reshape(3, 8)
+            results[case] = [str(given.dtype), str(out.dtype), torch.equal(given.float(), quantized.float()),
+                             torch.equal(given.float(), query.float())]
+        print(json.dumps(results))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fp8 backend"] == ["torch.float8_e4m3fn", "torch.bfloat16", True, False]
+    assert result["other backend"] == ["torch.bfloat16", "torch.bfloat16", False, True]
+    assert result["no quantizer"] == ["torch.bfloat16", "torch.bfloat16", False, True]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_internals_resolve_in_the_installed_vllm(vllm_python, tmp_path):
     """Every name in ``internals.USED`` imports from the installed vLLM, and ``scripts/check_vllm_api.py`` finds
     each with the parameters or members the plugin relies on (the check docs/serving.md records for vLLM 0.33);
