@@ -242,3 +242,58 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
         cwd=REPO, capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert stale.returncode == 2 and "this package needs" in stale.stderr and stale.stderr.count("\n") == 1
+
+
+def fake_engine(calls: dict[str, int]):
+    """``run_engine`` without vLLM: every request one greedy token, the second pass all cached, and the decode
+    stack's calls per CUDA-graph mode as given; records the engines it was asked for."""
+    asked = []
+
+    def run_engine(model, engine, env, tmp, timeout_s, long=True):
+        asked.append(engine)
+        request = {"tokens": [5], "logprobs": [-0.1], "top2": [[[5, -0.1], [6, -2.0]]], "cached": 16}
+        passes = {"batch": [request] * 12, "again": [request] * 12, "long": [request] if long else []}
+        return {"passes": passes, "decode_stack_calls": dict(calls), "preemptions": 0, "wall_s": 1.0}
+
+    return run_engine, asked
+
+
+def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_rows(monkeypatch, tmp_path):
+    """A SwiftKV row whose compiled fast-prefill engine never ran its decode stack on gathered rows under a captured
+    piecewise graph fails (graphs on gathered rows are the speed SwiftKV is served for); the control (vLLM's own
+    Llama, no decode stack) and a CPU run (no graphs at all) are not asked for them."""
+    check = vllm_check()
+    rows = {r.name: r for r in check.plan()}
+    n = len(check.prompts(check.TINY["vocab_size"]))
+    monkeypatch.setattr(
+        check, "run_reference", lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * (2 * n + 1)}
+    )
+
+    def served(name: str, calls: dict[str, int], cpu: bool = False) -> tuple[dict, list[dict]]:
+        run_engine, asked = fake_engine(calls)
+        monkeypatch.setattr(check, "run_engine", run_engine)
+        return check.served_row(rows[name], {rows[name].model: tmp_path}, tmp_path, cpu, 60, "python"), asked
+
+    control, _ = served("control", {})
+    no_graphs, asked = served("swiftkv50", {"NONE gathered": 40, "PIECEWISE": 3})
+    assert asked[0] == {} and asked[1] == check.FAST_PREFILL_OFF  # the compiled engine, then its eager twin
+    graphs, _ = served("swiftkv50_exact-fp8", {"PIECEWISE gathered": 30, "NONE gathered": 10})
+    on_cpu, _ = served("swiftkv50", {"NONE gathered": 40}, cpu=True)
+    assert [r["graphs_expected"] for r in (control, no_graphs, graphs, on_cpu)] == [False, True, True, False]
+    results = [{"name": name, **r} for name, r in
+               (("swiftkv50", no_graphs), ("swiftkv50_exact-fp8", graphs), ("cpu", on_cpu), ("control", control))]  # fmt: skip
+    assert check.verdict(results)[0] == "FAIL"
+    assert [r["status"] for r in results] == ["FAIL", "ok", "ok", "ok"]
+    assert results[0]["why"] == [
+        "the decode stack never replayed a piecewise CUDA graph on gathered rows (its calls: NONE gathered 40, "
+        "PIECEWISE 3)"
+    ]
+
+
+def test_vllm_long_context_pass_is_at_least_4k_tokens_and_fits_the_engine():
+    check = vllm_check()
+    long = check.long_prompt(check.TINY["vocab_size"])
+    assert len(long) >= 4096 and len(long) > check.CHUNK  # chunked prefill over more than one step
+    drafts = check.NGRAM["num_speculative_tokens"]
+    assert check.ENGINE["max_model_len"] >= len(long) + check.MAX_TOKENS + drafts
+    assert check.TINY["max_position_embeddings"] >= check.ENGINE["max_model_len"]
