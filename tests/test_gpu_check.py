@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,18 +82,123 @@ def test_time_budget_skips_what_would_not_fit(tmp_path):
     assert "skipped prefill 32: past the 0 s budget" in result.stdout
 
 
-def test_vllm_section_not_run_is_incomplete(tmp_path):
-    """This venv has no vLLM (it lives in .venv-vllm): the vLLM section says so and the verdict is incomplete."""
+def load_script(name: str):
+    """A script of scripts/ as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# A serving environment's python in miniature: the probe of gpu_check.py gets FAKE_PROBE (default: CUDA and vLLM
+# there), gpu_check_vllm.py (its arguments: SCRIPT --out OUT ...) does what FAKE_CHILD says
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ]; then
+    if [ -n "$FAKE_PROBE" ]; then echo "$FAKE_PROBE"; else echo '{"cuda": true, "vllm": true}'; fi
+    exit 0
+fi
+case "$FAKE_CHILD" in
+    refuse) echo "error: the reference is stale (to resolve, use another python)" >&2; exit 2 ;;
+    nogpu) echo "no GPU: no CUDA device is visible, nothing was checked (to resolve, ...)" >&2; exit 4 ;;
+    ok) echo '{"verdict": "ok", "rows": [], "tolerances": null, "elapsed_s": 1.0}' > "$3"; exit 0 ;;
+    *) exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture
+def serving_python(tmp_path) -> str:
+    path = tmp_path / "serving-python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    return str(path)
+
+
+def run_vllm_only(
+    tmp_path: Path, serving_python: str, child: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--vllm-python", serving_python,
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FAKE_CHILD": child}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300), out
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
+def test_vllm_only_without_a_gpu_is_one_line_and_its_own_status(tmp_path):
+    """``--vllm only`` where neither this interpreter nor the serving one sees a GPU (this venv has no vLLM
+    either): one line, the no-GPU status, no report."""
     out = tmp_path / "gpu_check.json"
     cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--out", str(out)]
     result = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
-    assert result.returncode == 3, result.stderr[-3000:]
+    assert result.returncode == 4 and result.stdout == "" and not out.exists(), result.stderr[-3000:]
+    assert result.stderr.startswith("no GPU: no CUDA device is visible, nothing was checked (to resolve, ")
+    assert result.stderr.count("\n") == 1
+
+
+def test_vllm_only_passes_on_the_serving_check_and_its_refusals(tmp_path, serving_python):
+    """``--vllm only --vllm-python`` runs gpu_check_vllm.py there with this interpreter as the transformers
+    reference: its refusal to start (exit 2, its one line) is a setup error with the same status and no other
+    output, its no-GPU status stays 4, a report gives the verdict, and an exit without a report is a FAIL."""
+    refused, out = run_vllm_only(tmp_path, serving_python, "refuse")
+    assert refused.returncode == 2 and not out.exists(), refused.stderr[-3000:]
+    assert refused.stderr == "error: the reference is stale (to resolve, use another python)\n"
+    assert refused.stdout == ""
+    no_gpu, out = run_vllm_only(tmp_path, serving_python, "nogpu")
+    assert no_gpu.returncode == 4 and no_gpu.stderr.startswith("no GPU: ") and no_gpu.stderr.count("\n") == 1
+    ok, out = run_vllm_only(tmp_path, serving_python, "ok")
+    assert ok.returncode == 0, ok.stderr[-3000:]
     report = json.loads(out.read_text())
-    reason = f"vLLM is not installed for {sys.executable} (--vllm skip: not wanted)"
-    assert report["vllm"] == {"status": "skipped", "reason": reason, "verdict": "incomplete"}
-    assert report["verdict"] == "incomplete" and "verdict: incomplete" in result.stdout
+    assert report["verdict"] == "ok" and report["vllm"]["status"] == "ran" and "verdict: ok" in ok.stdout
+    crashed, out = run_vllm_only(tmp_path, serving_python, "crash")
+    assert crashed.returncode == 1 and "vLLM section FAIL: gpu_check_vllm.py exited 1 without a report" in (
+        crashed.stdout
+    )
+
+
+def test_vllm_setup_is_decided_before_any_work(monkeypatch, tmp_path, serving_python):
+    """Which interpreter runs what: the probe of the serving python (CUDA, vLLM) and of this one (the reference)
+    decide, in one line, no GPU (4) or a setup error (2) naming --vllm-python; under ``--vllm auto`` a setup
+    problem makes the section a setup error and the verdict incomplete, not FAIL."""
+    check = load_script("gpu_check")
+    here = check.probe_python(sys.executable)  # this venv: no vLLM (it lives in .venv-vllm)
+    assert here["vllm"].startswith("ModuleNotFoundError") and isinstance(here["cuda"], bool)
+    assert "error" in check.probe_python(str(tmp_path / "missing-python"))
+    ready = {"cuda": True, "vllm": True}
+    assert check.setup_problem(ready, False, "P", None) is None  # the serving env sees the GPU: enough
+    code, line = check.setup_problem({"cuda": False, "vllm": True}, False, "P", None)
+    assert code == 4 and line.startswith(
+        "no GPU: no CUDA device is visible, nothing was checked (to resolve, "
+    )
+    code, line = check.setup_problem({**ready, "vllm": here["vllm"]}, True, "P", None)
+    assert code == 2 and line.startswith("error: vLLM is not importable for P (ModuleNotFoundError")
+    assert "(to resolve, pass --vllm-python with the python of the serving environment" in line
+    code, line = check.setup_problem({"error": "OSError: no such file"}, True, "P", None)
+    assert code == 2 and line.startswith("error: --vllm-python P does not run (OSError: no such file)")
+    code, line = check.setup_problem(ready, True, "P", "transformers 5.19.0 (this package needs >=5.24)")
+    assert code == 2 and "cannot run the transformers reference: transformers 5.19.0" in line
+    assert "\n" not in line
+
+    args = SimpleNamespace(vllm="auto", tiny=False, vllm_python=serving_python, out=tmp_path / "g.json",
+                           vllm_budget_s=60.0)  # fmt: skip
+    monkeypatch.setenv("FAKE_PROBE", json.dumps({"cuda": True, "vllm": here["vllm"]}))
+    section = check.vllm_section(args)
+    assert section["status"] == "setup error" and section["reason"].startswith("vLLM is not importable for ")
+    report = {"attention_parity": [], "static_compile_parity": [], "eval_quality": [], "skipped": [],
+              "vllm": section}  # fmt: skip
+    assert check.verdict(report) == "incomplete"
+    monkeypatch.delenv("FAKE_PROBE")
+    monkeypatch.setenv("FAKE_CHILD", "refuse")
+    section = check.vllm_section(args)
+    assert (section["status"], section["verdict"], section["exit"]) == ("setup error", "incomplete", 2)
+    assert check.verdict({**report, "vllm": section}) == "incomplete"
 
 
 @pytest.mark.skipif(
@@ -109,13 +215,7 @@ def test_no_gpu_is_one_line_and_its_own_status(tmp_path):
 
 # -- scripts/gpu_check_vllm.py: the row logic, without vLLM ----------------------------------------------------
 def vllm_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check_vllm", REPO / "scripts" / "gpu_check_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check_vllm")
 
 
 def test_vllm_rows_run_in_order_of_value_with_the_control_last():
