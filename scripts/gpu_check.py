@@ -21,25 +21,33 @@ new projections).  Checks, in this order:
    checkpoint with the tests' byte-level chat tokenizer (``tests/helpers/chat.py``) on conversations written
    here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
-5. the vLLM plugin (``scripts/gpu_check_vllm.py``, run with ``--vllm-python``, by default this interpreter):
-   per-token log-probabilities with vLLM's defaults against fast prefill off and against transformers, row by
-   row (its docstring; about 25 minutes); ``--vllm only`` runs just this part, ``--vllm skip`` says it is not
-   wanted (a transformers-only machine).
+5. the vLLM plugin (``scripts/gpu_check_vllm.py``): per-token log-probabilities with vLLM's defaults against
+   fast prefill off and against transformers, row by row (its docstring; about 25 minutes); ``--vllm only`` runs
+   just this part, ``--vllm skip`` says it is not wanted (a transformers-only machine).
+
+vLLM pins an older transformers than this package, so two environments take part: this script runs in the
+package's own (its transformers part, and the transformers reference of the vLLM rows), and the vLLM part runs
+in the serving environment given as ``--vllm-python`` (a venv with ``pip install vllm``, then this package with
+``pip install --no-deps .``, which registers the plugin; docs/serving.md).  Before any work, ``--vllm only``
+refuses in one line a ``--vllm-python`` without vLLM, and this interpreter where it cannot run the reference
+(exit 2); under ``--vllm auto`` the same makes the vLLM section a setup error and the verdict ``incomplete``.
 
 A time budget (``--budget-s``, 7 minutes) bounds the transformers part: a check or prompt length that would
 start past it, or whose predicted time would pass ``--limit-s`` (8 minutes), is skipped and the output says so.
 Prints a table, writes JSON (``--out``) with a verdict: ``ok`` only when every check ran and passed, ``FAIL``
-when one failed, ``incomplete`` when one was skipped (the budget, vLLM not installed without ``--vllm skip``);
-a missing flash_attn is reported, not counted.  Exit status 0 ok, 1 FAIL, 3 incomplete, 4 no CUDA GPU (one
-line, nothing run).  ``--tiny`` runs the same code on the CPU with a tiny config in seconds (what the tests
-run; its verdict is at best incomplete: the vLLM part does not run).
+when one failed, ``incomplete`` when one was skipped (the budget, the vLLM section not run without ``--vllm
+skip``); a missing flash_attn is reported, not counted.  Exit status 0 ok, 1 FAIL, 2 setup error (one line), 3
+incomplete, 4 no CUDA GPU (one line, nothing run).  ``--tiny`` runs the same code on the CPU with a tiny config
+in seconds (what the tests run; its verdict is at best incomplete: the vLLM part does not run).
 
-    python scripts/gpu_check.py --out gpu_check.json
+    python scripts/gpu_check.py --vllm-python ~/serve/bin/python --out gpu_check.json
+    python scripts/gpu_check.py --vllm only --vllm-python ~/serve/bin/python --out gpu_check.json
     python scripts/gpu_check.py --tiny --compile-backend none --out /tmp/gpu_check.json   # what the test runs
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -403,12 +411,90 @@ def print_report(report: dict) -> None:
     print(f"elapsed {report['meta']['elapsed_s']:.0f} s; verdict: {report['verdict']}")
 
 
-VLLM_VERDICTS = {0: "ok", 1: "FAIL", 3: "incomplete", 4: "incomplete"}  # gpu_check_vllm.py's exit status
+# gpu_check_vllm.py's exit status when it refused to start, having said why in one line (else it reports)
+REFUSED = {2: "setup error", 4: "no GPU"}
+SERVING_ENV = (
+    "pass --vllm-python with the python of the serving environment (a venv with `pip install vllm`, then this "
+    "package with `pip install --no-deps .`: docs/serving.md), or --vllm skip"
+)
+VLLM_PROBE = """
+import json
+try:
+    import torch
+    cuda = torch.cuda.is_available()
+except Exception:
+    cuda = False
+try:
+    import vllm  # noqa: F401
+    found = True
+except Exception as e:
+    found = f"{type(e).__name__}: {e}".splitlines()[0]
+print(json.dumps({"cuda": cuda, "vllm": found}))
+"""
+
+
+def probe_python(python: str) -> dict:
+    """What ``python`` sees: ``{"cuda": bool, "vllm": True or why not}``, or ``{"error": ...}`` if it cannot run."""
+    try:
+        proc = subprocess.run([python, "-c", VLLM_PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def vllm_check_module():
+    """scripts/gpu_check_vllm.py as a module (not a package: loaded from its file), for its reference probe."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_vllm", Path(__file__).with_name("gpu_check_vllm.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def setup_problem(
+    probe: dict, cuda_here: bool, vllm_python: str, reference: str | None
+) -> tuple[int, str] | None:
+    """Why the vLLM section cannot start, as (exit status, one line), or None.  ``probe``: what ``vllm_python``
+    sees (``probe_python``); ``cuda_here``: whether this interpreter sees a CUDA device; ``reference``: why this
+    interpreter cannot run the transformers reference (``gpu_check_vllm.reference_unusable``), or None."""
+    if not cuda_here and not probe.get("cuda"):
+        return NO_GPU, ("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine "
+                        "with the serving environment)")  # fmt: skip
+    if "error" in probe:
+        return (
+            2,
+            f"error: --vllm-python {vllm_python} does not run ({probe['error']}) (to resolve, {SERVING_ENV})",
+        )
+    if probe["vllm"] is not True:
+        return (
+            2,
+            f"error: vLLM is not importable for {vllm_python} ({probe['vllm']}) (to resolve, {SERVING_ENV})",
+        )
+    if reference is not None:
+        return 2, (f"error: {sys.executable} cannot run the transformers reference: {reference} (to resolve, run "
+                   "gpu_check.py with the python of the environment where this package is installed with its "
+                   "dependencies, and give the serving environment's as --vllm-python)")  # fmt: skip
+    return None
+
+
+def vllm_setup(args, cuda_here: bool) -> tuple[int, str] | None:
+    """``setup_problem`` for ``args.vllm_python`` and this interpreter (two short child processes)."""
+    probe = probe_python(args.vllm_python)
+    reference = None
+    if probe.get("vllm") is True:
+        reference = vllm_check_module().reference_unusable(sys.executable)
+    return setup_problem(probe, cuda_here, args.vllm_python, reference)
 
 
 def vllm_section(args) -> dict:
     """``scripts/gpu_check_vllm.py`` in ``--vllm-python``: its report and verdict, or why it did not run (a
-    section not run leaves the verdict ``incomplete`` unless ``--vllm skip`` says it is not wanted)."""
+    section not run leaves the verdict ``incomplete`` unless ``--vllm skip`` says it is not wanted).  A refusal
+    to start (its exit 2 or 4, said in its own one line) is not a failure of the plugin: the section records its
+    exit status (``exit``), which ``--vllm only`` exits with."""
     if args.vllm == "skip" or args.tiny:
         reason = "--tiny (CPU)" if args.tiny else "--vllm skip"
         return {
@@ -416,11 +502,16 @@ def vllm_section(args) -> dict:
             "reason": reason,
             "verdict": "incomplete" if args.tiny else "ok",  # a CPU run never passes for a GPU check
         }
-    found = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True, text=True)
-    if found.returncode != 0:
-        reason = f"vLLM is not installed for {args.vllm_python} (--vllm skip: not wanted)"
-        return {"status": "skipped", "reason": reason, "verdict": "incomplete"}
+    if args.vllm == "auto":  # --vllm only checked this before any work (main)
+        problem = vllm_setup(args, cuda_here=True)
+        if problem is not None:
+            return {
+                "status": "setup error",
+                "reason": problem[1].removeprefix("error: "),
+                "verdict": "incomplete",
+            }
     out = args.out.with_name(args.out.stem + "_vllm.json")
+    out.unlink(missing_ok=True)
     script = Path(__file__).with_name("gpu_check_vllm.py")
     proc = subprocess.run(
         [
@@ -434,9 +525,17 @@ def vllm_section(args) -> dict:
             sys.executable,
         ]  # fmt: skip  (the transformers reference: this environment)
     )
+    if proc.returncode in REFUSED:
+        reason = f"gpu_check_vllm.py refused to start (exit {proc.returncode}; its line above says why)"
+        return {
+            "status": REFUSED[proc.returncode],
+            "reason": reason,
+            "verdict": "incomplete",
+            "exit": proc.returncode,
+        }
     if not out.is_file():
         reason = f"gpu_check_vllm.py exited {proc.returncode} without a report"
-        return {"status": "FAIL", "reason": reason, "verdict": VLLM_VERDICTS.get(proc.returncode, "FAIL")}
+        return {"status": "FAIL", "reason": reason, "verdict": "FAIL"}
     return {"status": "ran", **json.loads(out.read_text())}
 
 
@@ -531,7 +630,11 @@ def build_parser() -> ArgumentParser:
         default="auto",
         help="the vLLM section (default: if installed)",
     )
-    parser.add_argument("--vllm-python", default=sys.executable, help="the serving environment's python")
+    parser.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="the serving environment's python: vLLM, and this package installed with --no-deps (default: this one)",
+    )
     parser.add_argument(
         "--vllm-budget-s",
         type=float,
@@ -548,18 +651,29 @@ NO_GPU = 4
 
 
 def main(argv: list[str] | None = None) -> int:
-    verdicts = []
+    codes = []
 
     def command(args):
         report = check(args)
+        refused = report["vllm"].get("exit")
+        if (
+            args.vllm == "only" and refused is not None
+        ):  # gpu_check_vllm.py said why in one line: nothing to add
+            codes.append(refused)
+            return None
         print_report(report)
         write_json_atomic(args.out, report)
-        verdicts.append(report["verdict"])
+        codes.append(STATUS[report["verdict"]])
         return f"wrote {args.out}"
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.tiny and args.vllm != "only" and not torch.cuda.is_available():
+    if args.vllm == "only" and not args.tiny:  # the serving environment decides whether a GPU is there
+        problem = vllm_setup(args, torch.cuda.is_available())
+        if problem is not None:
+            print(problem[1], file=sys.stderr)
+            return problem[0]
+    elif not args.tiny and not torch.cuda.is_available():
         print(
             "no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine, or pass "
             "--tiny for the CPU run of the check's own code)",
@@ -567,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return NO_GPU
     code = run(command, parser, argv)
-    return STATUS[verdicts[0]] if code == 0 else code
+    return codes[0] if code == 0 else code
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ of value, that the SwiftKV path gives the same per-token log-probabilities of gr
 
 within tolerances set from the original model's own spread (the control row: vLLM's own Llama, graphs against
 eager and against transformers).  Each engine serves one workload: twelve prompts of 8-300 tokens (half
-repetitive, so n-gram drafts match), the same prompts again (prefix-cache hits), and one prompt of 4,000 tokens
+repetitive, so n-gram drafts match), the same prompts again (prefix-cache hits), and one prompt of 4,096 tokens
 alone (chunked prefill over two steps).  Rows: SwiftKV 50%, AcrossKV g = 2 and exact K/V (W = 8) x plain,
 n-gram speculation and an FP8 KV cache; then preemption (a KV cache too small for the batch), Qwen2 and Qwen3,
 vLLM's V1 model runner forced (``VLLM_USE_V2_MODEL_RUNNER=0``; V2 is the default on GPUs), and the control last.
 Each row reports the decode stack's calls per CUDA-graph mode (``PIECEWISE gathered``: graphs replayed on the
-gathered logits rows), wall times and the largest differences.
+gathered logits rows), wall times and the largest differences; a compiled SwiftKV engine with fast prefill on
+whose decode stack never replayed a graph on gathered rows fails its row (the speed SwiftKV is served for).
 
 The verdict is ``ok`` only when every row ran and passed; a row not run (time budget, a failed engine start
 counts as FAIL) makes it ``incomplete``.  Exit status: 0 ok, 1 FAIL, 3 incomplete, 4 no CUDA GPU (one line,
@@ -67,22 +68,26 @@ TINY = dict(
 )  # fmt: skip  (head_dim 64)
 LM_HEAD_STD = 0.2  # peaked next-token distributions, so bf16 ties rarely decide greedy tokens
 WINDOW = 8  # the exact K/V rows' window: >= 1 + the n-gram drafts, as the plugin requires
+MAX_TOKENS = 32
+LONG_PROMPT = 4096  # the long-context pass: at least 4k tokens
 CHUNK = 2048  # max_num_batched_tokens: the batch prefills in one step, the long prompt in two
-ENGINE = dict(dtype="bfloat16", seed=0, max_model_len=4096 + 64, max_num_batched_tokens=CHUNK, max_num_seqs=32,
-              gpu_memory_utilization=0.3, skip_tokenizer_init=True, enable_prefix_caching=True)  # fmt: skip
+# max_model_len: the long prompt, its continuation and as much again for speculative drafts
+ENGINE = dict(dtype="bfloat16", seed=0, max_model_len=LONG_PROMPT + 2 * MAX_TOKENS, max_num_batched_tokens=CHUNK,
+              max_num_seqs=32, gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+              enable_prefix_caching=True)  # fmt: skip
 CPU_ENGINE = dict(
     dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 28, gpu_memory_utilization=None
 )
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 FAST_PREFILL_OFF = {"hf_overrides": {"swiftkv_fast_prefill": False}, "enforce_eager": True}
 EAGER = {"enforce_eager": True}
-MAX_TOKENS = 32
-LONG_PROMPT = 4000
 # the smallest tolerances (nats per token): a control that happens to agree exactly does not make any bf16
 # rounding a failure; otherwise TOLERANCE_FACTOR x the control's own spread
 FLOOR = {"engines": 0.02, "reference": 0.05}
 TOLERANCE_FACTOR = 3.0
 STATUS = {"ok": 0, "FAIL": 1, "incomplete": 3, "no GPU": 4}
+# the decode stack's calls replayed as piecewise CUDA graphs on gathered rows
+GATHERED_GRAPHS = "PIECEWISE gathered"
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class Row:
     env: dict = field(default_factory=dict)
     # compared with transformers fp32 (not with an FP8 KV cache: other numbers by design)
     reference: bool = True
-    long: bool = True  # the 4,000-token prompt pass (not where the KV cache is made too small for it)
+    long: bool = True  # the LONG_PROMPT pass (not where the KV cache is made too small for it)
     twin: dict = field(default_factory=lambda: dict(FAST_PREFILL_OFF))  # the engine the row is compared with
     estimate_s: float = 90.0  # compiled start + eager start + the workload + the reference (module docstring)
 
@@ -378,6 +383,12 @@ def judge(row: dict, tol: dict[str, float]) -> tuple[str, list[str]]:
         why.append(
             f"vs transformers fp32: {ref['max_abs']:.4f} (gap {ref['tie_gap']:.4f}) > {tol['reference']:.4f}"
         )
+    calls = row.get("decode_stack_calls", {})
+    if row.get("graphs_expected") and not calls.get(GATHERED_GRAPHS):
+        seen = ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "none"
+        why.append(
+            f"the decode stack never replayed a piecewise CUDA graph on gathered rows (its calls: {seen})"
+        )
     preempt = row["name"].endswith("-preempt")
     if not row["prefix_hits"] and not preempt:  # a cache too small for the batch may evict every block
         why.append("the second pass hit no prefix-cache block")
@@ -419,10 +430,19 @@ def run_rows(
     return out
 
 
+def graphs_expected(row: Row, engine: dict, cpu: bool) -> bool:
+    """Whether ``engine`` must replay the decode stack's piecewise CUDA graphs on gathered rows: a SwiftKV
+    checkpoint (the control is vLLM's own Llama, without a decode stack) with fast prefill on, compiled with
+    vLLM's default CUDA graphs on a GPU (vLLM's CPU build captures none)."""
+    fast_prefill = engine.get("hf_overrides", {}).get("swiftkv_fast_prefill", True)
+    return not cpu and row.model != "original" and fast_prefill and not engine.get("enforce_eager")
+
+
 def served_row(
     row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, timeout_s: float, reference_python: str
 ) -> dict:
-    """Both engines of a row, the transformers reference, and the raw comparisons (``status`` ``ran`` or FAIL)."""
+    """Both engines of a row, the transformers reference, and the raw comparisons (``status`` ``ran`` or FAIL);
+    ``graphs_expected`` says whether ``judge`` asks for graphs replayed on gathered rows."""
     base = {**(CPU_ENGINE if cpu else {}), **row.engine}
     fast = run_engine(checkpoints[row.model], base, row.env, tmp, timeout_s, row.long)
     slow = run_engine(checkpoints[row.model], {**base, **row.twin}, row.env, tmp, timeout_s, row.long)
@@ -430,6 +450,7 @@ def served_row(
         "model": row.model,
         "wall_s": {"fast_prefill": fast["wall_s"], "twin": slow["wall_s"]},
         "twin": row.twin,
+        "graphs_expected": graphs_expected(row, base, cpu),
     }
     if "error" in fast or "error" in slow:
         return {

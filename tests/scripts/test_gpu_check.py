@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -80,18 +81,123 @@ def test_time_budget_skips_what_would_not_fit(tmp_path):
     assert "skipped prefill 32: past the 0 s budget" in result.stdout
 
 
-def test_vllm_section_not_run_is_incomplete(tmp_path):
-    """This venv has no vLLM (it lives in .venv-vllm): the vLLM section says so and the verdict is incomplete."""
+def load_script(name: str):
+    """A script of scripts/ as a module (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# A serving environment's python in miniature: the probe of gpu_check.py gets FAKE_PROBE (default: CUDA and vLLM
+# there), gpu_check_vllm.py (its arguments: SCRIPT --out OUT ...) does what FAKE_CHILD says
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ]; then
+    if [ -n "$FAKE_PROBE" ]; then echo "$FAKE_PROBE"; else echo '{"cuda": true, "vllm": true}'; fi
+    exit 0
+fi
+case "$FAKE_CHILD" in
+    refuse) echo "error: the reference is stale (to resolve, use another python)" >&2; exit 2 ;;
+    nogpu) echo "no GPU: no CUDA device is visible, nothing was checked (to resolve, ...)" >&2; exit 4 ;;
+    ok) echo '{"verdict": "ok", "rows": [], "tolerances": null, "elapsed_s": 1.0}' > "$3"; exit 0 ;;
+    *) exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture
+def serving_python(tmp_path) -> str:
+    path = tmp_path / "serving-python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    return str(path)
+
+
+def run_vllm_only(
+    tmp_path: Path, serving_python: str, child: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--vllm-python", serving_python,
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FAKE_CHILD": child}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300), out
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
+def test_vllm_only_without_a_gpu_is_one_line_and_its_own_status(tmp_path):
+    """``--vllm only`` where neither this interpreter nor the serving one sees a GPU (this venv has no vLLM
+    either): one line, the no-GPU status, no report."""
     out = tmp_path / "gpu_check.json"
     cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--out", str(out)]
     result = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
-    assert result.returncode == 3, result.stderr[-3000:]
+    assert result.returncode == 4 and result.stdout == "" and not out.exists(), result.stderr[-3000:]
+    assert result.stderr.startswith("no GPU: no CUDA device is visible, nothing was checked (to resolve, ")
+    assert result.stderr.count("\n") == 1
+
+
+def test_vllm_only_passes_on_the_serving_check_and_its_refusals(tmp_path, serving_python):
+    """``--vllm only --vllm-python`` runs gpu_check_vllm.py there with this interpreter as the transformers
+    reference: its refusal to start (exit 2, its one line) is a setup error with the same status and no other
+    output, its no-GPU status stays 4, a report gives the verdict, and an exit without a report is a FAIL."""
+    refused, out = run_vllm_only(tmp_path, serving_python, "refuse")
+    assert refused.returncode == 2 and not out.exists(), refused.stderr[-3000:]
+    assert refused.stderr == "error: the reference is stale (to resolve, use another python)\n"
+    assert refused.stdout == ""
+    no_gpu, out = run_vllm_only(tmp_path, serving_python, "nogpu")
+    assert no_gpu.returncode == 4 and no_gpu.stderr.startswith("no GPU: ") and no_gpu.stderr.count("\n") == 1
+    ok, out = run_vllm_only(tmp_path, serving_python, "ok")
+    assert ok.returncode == 0, ok.stderr[-3000:]
     report = json.loads(out.read_text())
-    reason = f"vLLM is not installed for {sys.executable} (--vllm skip: not wanted)"
-    assert report["vllm"] == {"status": "skipped", "reason": reason, "verdict": "incomplete"}
-    assert report["verdict"] == "incomplete" and "verdict: incomplete" in result.stdout
+    assert report["verdict"] == "ok" and report["vllm"]["status"] == "ran" and "verdict: ok" in ok.stdout
+    crashed, out = run_vllm_only(tmp_path, serving_python, "crash")
+    assert crashed.returncode == 1 and "vLLM section FAIL: gpu_check_vllm.py exited 1 without a report" in (
+        crashed.stdout
+    )
+
+
+def test_vllm_setup_is_decided_before_any_work(monkeypatch, tmp_path, serving_python):
+    """Which interpreter runs what: the probe of the serving python (CUDA, vLLM) and of this one (the reference)
+    decide, in one line, no GPU (4) or a setup error (2) naming --vllm-python; under ``--vllm auto`` a setup
+    problem makes the section a setup error and the verdict incomplete, not FAIL."""
+    check = load_script("gpu_check")
+    here = check.probe_python(sys.executable)  # this venv: no vLLM (it lives in .venv-vllm)
+    assert here["vllm"].startswith("ModuleNotFoundError") and isinstance(here["cuda"], bool)
+    assert "error" in check.probe_python(str(tmp_path / "missing-python"))
+    ready = {"cuda": True, "vllm": True}
+    assert check.setup_problem(ready, False, "P", None) is None  # the serving env sees the GPU: enough
+    code, line = check.setup_problem({"cuda": False, "vllm": True}, False, "P", None)
+    assert code == 4 and line.startswith(
+        "no GPU: no CUDA device is visible, nothing was checked (to resolve, "
+    )
+    code, line = check.setup_problem({**ready, "vllm": here["vllm"]}, True, "P", None)
+    assert code == 2 and line.startswith("error: vLLM is not importable for P (ModuleNotFoundError")
+    assert "(to resolve, pass --vllm-python with the python of the serving environment" in line
+    code, line = check.setup_problem({"error": "OSError: no such file"}, True, "P", None)
+    assert code == 2 and line.startswith("error: --vllm-python P does not run (OSError: no such file)")
+    code, line = check.setup_problem(ready, True, "P", "transformers 5.19.0 (this package needs >=5.24)")
+    assert code == 2 and "cannot run the transformers reference: transformers 5.19.0" in line
+    assert "\n" not in line
+
+    args = SimpleNamespace(vllm="auto", tiny=False, vllm_python=serving_python, out=tmp_path / "g.json",
+                           vllm_budget_s=60.0)  # fmt: skip
+    monkeypatch.setenv("FAKE_PROBE", json.dumps({"cuda": True, "vllm": here["vllm"]}))
+    section = check.vllm_section(args)
+    assert section["status"] == "setup error" and section["reason"].startswith("vLLM is not importable for ")
+    report = {"attention_parity": [], "static_compile_parity": [], "eval_quality": [], "skipped": [],
+              "vllm": section}  # fmt: skip
+    assert check.verdict(report) == "incomplete"
+    monkeypatch.delenv("FAKE_PROBE")
+    monkeypatch.setenv("FAKE_CHILD", "refuse")
+    section = check.vllm_section(args)
+    assert (section["status"], section["verdict"], section["exit"]) == ("setup error", "incomplete", 2)
+    assert check.verdict({**report, "vllm": section}) == "incomplete"
 
 
 @pytest.mark.skipif(
@@ -108,13 +214,7 @@ def test_no_gpu_is_one_line_and_its_own_status(tmp_path):
 
 # -- scripts/gpu_check_vllm.py: the row logic, without vLLM ----------------------------------------------------
 def vllm_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check_vllm", ROOT / "scripts" / "gpu_check_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check_vllm")
 
 
 def test_vllm_rows_run_in_order_of_value_with_the_control_last():
@@ -241,3 +341,58 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
         cwd=ROOT, capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert stale.returncode == 2 and "this package needs" in stale.stderr and stale.stderr.count("\n") == 1
+
+
+def fake_engine(calls: dict[str, int]):
+    """``run_engine`` without vLLM: every request one greedy token, the second pass all cached, and the decode
+    stack's calls per CUDA-graph mode as given; records the engines it was asked for."""
+    asked = []
+
+    def run_engine(model, engine, env, tmp, timeout_s, long=True):
+        asked.append(engine)
+        request = {"tokens": [5], "logprobs": [-0.1], "top2": [[[5, -0.1], [6, -2.0]]], "cached": 16}
+        passes = {"batch": [request] * 12, "again": [request] * 12, "long": [request] if long else []}
+        return {"passes": passes, "decode_stack_calls": dict(calls), "preemptions": 0, "wall_s": 1.0}
+
+    return run_engine, asked
+
+
+def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_rows(monkeypatch, tmp_path):
+    """A SwiftKV row whose compiled fast-prefill engine never ran its decode stack on gathered rows under a captured
+    piecewise graph fails (graphs on gathered rows are the speed SwiftKV is served for); the control (vLLM's own
+    Llama, no decode stack) and a CPU run (no graphs at all) are not asked for them."""
+    check = vllm_check()
+    rows = {r.name: r for r in check.plan()}
+    n = len(check.prompts(check.TINY["vocab_size"]))
+    monkeypatch.setattr(
+        check, "run_reference", lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * (2 * n + 1)}
+    )
+
+    def served(name: str, calls: dict[str, int], cpu: bool = False) -> tuple[dict, list[dict]]:
+        run_engine, asked = fake_engine(calls)
+        monkeypatch.setattr(check, "run_engine", run_engine)
+        return check.served_row(rows[name], {rows[name].model: tmp_path}, tmp_path, cpu, 60, "python"), asked
+
+    control, _ = served("control", {})
+    no_graphs, asked = served("swiftkv50", {"NONE gathered": 40, "PIECEWISE": 3})
+    assert asked[0] == {} and asked[1] == check.FAST_PREFILL_OFF  # the compiled engine, then its eager twin
+    graphs, _ = served("swiftkv50_exact-fp8", {"PIECEWISE gathered": 30, "NONE gathered": 10})
+    on_cpu, _ = served("swiftkv50", {"NONE gathered": 40}, cpu=True)
+    assert [r["graphs_expected"] for r in (control, no_graphs, graphs, on_cpu)] == [False, True, True, False]
+    results = [{"name": name, **r} for name, r in
+               (("swiftkv50", no_graphs), ("swiftkv50_exact-fp8", graphs), ("cpu", on_cpu), ("control", control))]  # fmt: skip
+    assert check.verdict(results)[0] == "FAIL"
+    assert [r["status"] for r in results] == ["FAIL", "ok", "ok", "ok"]
+    assert results[0]["why"] == [
+        "the decode stack never replayed a piecewise CUDA graph on gathered rows (its calls: NONE gathered 40, "
+        "PIECEWISE 3)"
+    ]
+
+
+def test_vllm_long_context_pass_is_at_least_4k_tokens_and_fits_the_engine():
+    check = vllm_check()
+    long = check.long_prompt(check.TINY["vocab_size"])
+    assert len(long) >= 4096 and len(long) > check.CHUNK  # chunked prefill over more than one step
+    drafts = check.NGRAM["num_speculative_tokens"]
+    assert check.ENGINE["max_model_len"] >= len(long) + check.MAX_TOKENS + drafts
+    assert check.TINY["max_position_embeddings"] >= check.ENGINE["max_model_len"]

@@ -87,10 +87,12 @@ def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
     """Why an engine whose config hook turned fast prefill on cannot serve with it, from what vLLM resolved after
     the hook (checked when the model is built), or None.
 
-    * ``cudagraph_mode`` FULL: the hook refuses it (``fast_prefill_reason``), but vLLM resolves the mode later: a
-      ``FULL_AND_PIECEWISE`` default under a compilation mode other than VLLM_COMPILE becomes FULL
-      (``VllmConfig._normalize_piecewise_cudagraph_mode``, after ``try_verify_and_update_config``), and a FULL
-      graph would replay a mixed step's data-dependent row gather as captured.
+    * ``cudagraph_mode`` FULL: the hook refuses it (``fast_prefill_reason``), but ``VllmConfig.__post_init__``
+      resolves the mode after ``try_verify_and_update_config``: ``CompilationConfig.set_splitting_ops_for_v1``
+      makes FULL_AND_PIECEWISE FULL where no splitting ops are left (an empty ``-cc.splitting_ops``, or the
+      attention + quant fusion pass ``fuse_attn_quant``), and a FULL graph would replay a mixed step's
+      data-dependent row gather as captured.  (``_normalize_piecewise_cudagraph_mode``, which runs there too, makes
+      it FULL_DECODE_ONLY without piecewise compilation: mixed steps eager, which is safe.)
     * FlashInfer, and decode context parallel with any backend: their metadata builders read
       ``query_start_loc_cpu`` on the host, which vLLM's fast-prefill metadata fills by a non-blocking
       device-to-host copy (``make_kv_sharing_fast_prefill_common_attn_metadata``), so they may plan with values not
@@ -101,9 +103,9 @@ def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
     mode = getattr(vllm_config.compilation_config.cudagraph_mode, "name", None)
     if mode == "FULL":
         return (
-            "cudagraph_mode resolved to FULL after the SwiftKV config hook (compilation mode "
-            f"{vllm_config.compilation_config.mode!r}), which replays mixed steps whole (to resolve, serve with "
-            f"-cc.mode=VLLM_COMPILE, or -cc.cudagraph_mode=PIECEWISE, or {fix})"
+            "cudagraph_mode resolved to FULL after the SwiftKV config hook (vLLM does so where no splitting ops are "
+            "left: an empty -cc.splitting_ops, or the attention + quant fusion pass), which replays mixed steps "
+            f"whole (to resolve, serve with -cc.cudagraph_mode=FULL_DECODE_ONLY, or without those, or {fix})"
         )
     if backend.upper().startswith("FLASHINFER"):
         return (

@@ -21,7 +21,7 @@ RoPE) and overwrites their slots in holder j before its attention reads the cach
 
 FP8 KV cache: exact K/V are quantized with the holder's scale, the one the whole group shares (the checkpoint's
 scales on the teacher K/V projections of layers >= l count towards it); a scale calibrated on SwiftKV K/V only
-may clip exact K/V.
+may clip exact K/V.  Queries are quantized as vLLM's own attention layer quantizes them (``attend_after``).
 """
 
 from __future__ import annotations
@@ -71,10 +71,15 @@ def write_exact_kv(key: torch.Tensor, value: torch.Tensor, holder: Attention) ->
 
 def attend_after(attn: Attention, query: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
     """``attn`` (a KV-sharing attention, which writes no cache) on ``query``, after the write that returned
-    ``written``: vLLM's attention op with it as ``kv_cache_dummy_dep``.  The layer must not quantize queries
-    (``SwiftKVLlamaAttention`` refuses that at build)."""
+    ``written``: vLLM's attention op with it as ``kv_cache_dummy_dep``.
+
+    The query goes in as ``Attention.forward`` hands it over: quantized with the layer's q scale where the layer
+    has a query quantizer and its backend takes FP8 queries (an FP8 KV cache on FlashAttention 3 or, on CUDA,
+    Triton), whose kernels then read it with that scale; the output keeps the unquantized dtype."""
     hidden = attn.num_heads * attn.head_size
     output = torch.empty(query.shape[0], hidden, dtype=query.dtype, device=query.device)
+    if attn.query_quant is not None and attn.impl.supports_quant_query_input:
+        query, _ = attn.query_quant(query, attn._q_scale)
     query, out = (
         query.view(-1, attn.num_heads, attn.head_size),
         output.view(-1, attn.num_heads, attn.head_size),

@@ -95,8 +95,10 @@ USED: dict[str, tuple[str, ...]] = {
         "attn_backend",
         "impl",
         "kv_cache",
-        "query_quant",
+        "query_quant",  # with its scale, the buffer ``_q_scale`` (registered by name: not checkable by source)
     ),  # fmt: skip
+    # exact K/V quantize queries as Attention.forward does, where the backend takes FP8 queries
+    "vllm.v1.attention.backend:AttentionImplBase": ("supports_quant_query_input",),
     "vllm.model_executor.layers.attention.attention:unified_kv_cache_update": ("key", "value", "layer_name"),
     "vllm.model_executor.layers.attention.attention:unified_attention_with_output": (
         "query",

@@ -163,12 +163,6 @@ class SwiftKVLlamaAttention(nn.Module):
         )
         self.exact_kv_proj = self.exact_k_norm = None
         if exact_holder is not None:
-            if self.attn.query_quant is not None:
-                raise ValueError(
-                    f"exact K/V in {prefix}: the {self.attn.attn_backend.get_name()} backend quantizes queries for "
-                    "an FP8 KV cache, which the exact-K/V attention call does not (to resolve, pick another "
-                    "backend with --attention-backend, e.g. TRITON_ATTN, or serve with --kv-cache-dtype auto)"
-                )
             self.exact_kv_proj = KVFanoutLinear(
                 hidden_size, self.head_dim, num_kv_heads, 1, bias=bias, quant_config=quant_config,
                 prefix=f"{prefix}.exact_kv_proj",

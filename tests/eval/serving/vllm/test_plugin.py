@@ -551,8 +551,9 @@ def test_config_hook_refuses_what_exact_kv_cannot_serve(monkeypatch, config, ref
     [
         ("FULL_AND_PIECEWISE", "VLLM_COMPILE", "FLASH_ATTN", 1, None),
         ("PIECEWISE", "VLLM_COMPILE", "TRITON_ATTN", 1, None),
-        # what vLLM's _normalize_piecewise_cudagraph_mode makes of the default after the hook has run
-        ("FULL", "NONE", "FLASH_ATTN", 1, "cudagraph_mode resolved to FULL after the SwiftKV config hook"),
+        # what vLLM's set_splitting_ops_for_v1 makes of the default after the hook without splitting ops (the
+        # test below runs vLLM's own code)
+        ("FULL", "VLLM_COMPILE", "FLASH_ATTN", 1, "cudagraph_mode resolved to FULL after the SwiftKV config"),
         (
             "FULL_AND_PIECEWISE",
             "VLLM_COMPILE",
@@ -895,6 +896,114 @@ def test_decode_stack_keeps_graphs_for_the_sizes_vllm_captures_under_speculation
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["sizes"] == [3, 6, 9, 18, 24]
     assert result["modes"] == {"9": ["PIECEWISE", 9], "8": ["NONE", 8]}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_fast_prefill_is_refused_where_vllms_own_config_code_makes_the_mode_full_after_the_hook(
+    vllm_python, tmp_path
+):
+    """vLLM runs the model config hooks (``try_verify_and_update_config``) before it resolves the CUDA-graph mode:
+    ``_normalize_piecewise_cudagraph_mode`` and ``CompilationConfig.set_splitting_ops_for_v1``, called in this
+    order from ``VllmConfig.__post_init__`` after the hook, run here on vLLM's own ``CompilationConfig``.  The hook
+    sees FULL_AND_PIECEWISE and turns fast prefill on; where vLLM then makes the mode FULL (no splitting ops, or
+    the attention + quant fusion) the model build refuses it, and where it keeps piecewise graphs for mixed steps
+    or runs them eagerly (FULL_DECODE_ONLY) it does not."""
+    proc = run_in_vllm_venv(
+        """
+        import json
+        from types import SimpleNamespace
+        from vllm.config import CompilationConfig, PassConfig, VllmConfig
+        from vllm.config.compilation import CompilationMode, CUDAGraphMode
+        from eval.serving.vllm import SwiftKVConfigHook, fast_prefill_refusal
+
+        cases = {  # case: (compilation mode, splitting ops, the attention + quant fusion pass)
+            "default": (CompilationMode.VLLM_COMPILE, None, False),
+            "no splitting ops": (CompilationMode.VLLM_COMPILE, [], False),
+            "attention + quant fusion": (CompilationMode.VLLM_COMPILE, None, True),
+            "no piecewise compilation": (CompilationMode.NONE, None, False),
+        }
+        results = {}
+        for case, (mode, splitting_ops, fuse) in cases.items():
+            compilation = CompilationConfig(
+                mode=mode, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=splitting_ops,
+                pass_config=PassConfig(fuse_attn_quant=fuse),
+            )
+            hf_config = SimpleNamespace(swiftkv=True, num_key_value_layers=3, num_hidden_layers=6)
+            config = SimpleNamespace(
+                model_config=SimpleNamespace(hf_config=hf_config, runner_type="generate",
+                                             architecture="LlamaSwiftKVForCausalLM"),
+                speculative_config=None, compilation_config=compilation,
+                cache_config=SimpleNamespace(kv_sharing_fast_prefill=None),
+                parallel_config=SimpleNamespace(use_ubatching=False, decode_context_parallel_size=1),
+            )  # the parts of a VllmConfig the hook and vLLM's two steps read
+            SwiftKVConfigHook.verify_and_update_config(config)
+            hook = [compilation.cudagraph_mode.name, config.cache_config.kv_sharing_fast_prefill]
+            VllmConfig._normalize_piecewise_cudagraph_mode(config, breakable_cudagraph_enabled=False)
+            compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter", data_parallel_size=1)
+            results[case] = [*hook, compilation.cudagraph_mode.name, fast_prefill_refusal(config, "FLASH_ATTN")]
+        print(json.dumps(results))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    resolved = {"default": "FULL_AND_PIECEWISE", "no splitting ops": "FULL", "attention + quant fusion": "FULL",
+                "no piecewise compilation": "FULL_DECODE_ONLY"}  # fmt: skip
+    for case, (hook_mode, fast_prefill, mode, refusal) in results.items():
+        assert (hook_mode, fast_prefill, mode) == ("FULL_AND_PIECEWISE", True, resolved[case]), case
+        if mode == "FULL":
+            assert refusal.startswith("cudagraph_mode resolved to FULL after the SwiftKV config hook"), case
+            assert "-cc.cudagraph_mode=FULL_DECODE_ONLY" in refusal
+        else:
+            assert refusal is None, case
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_exact_kv_attention_takes_queries_as_vllms_attention_layer_does(vllm_python, tmp_path):
+    """An FP8 KV cache on a backend that takes FP8 queries (FlashAttention 3, the default on H100/H200, and Triton
+    on CUDA) gives each attention layer a query quantizer, which ``Attention.forward`` applies before the backend
+    reads the cache with the q scale: the exact-K/V attention call (``attend_after``, which bypasses that forward)
+    quantizes the same way, with the layer's ``_q_scale``, and returns the unquantized dtype; without a quantizer,
+    or on a backend that takes no FP8 queries, the query goes in as it is."""
+    proc = run_in_vllm_venv(
+        """
+        import json
+        from types import SimpleNamespace
+        import torch
+        import eval.serving.vllm.exact as exact
+
+        seen = []
+
+        def attention(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
+            seen.append(query)
+            output.copy_(query.float())
+
+        exact.unified_attention_with_output = attention  # the backend call, recorded
+        scale, query = torch.tensor(0.5), torch.randn(3, 2 * 4, dtype=torch.bfloat16)
+        quantized = (query / scale).to(torch.float8_e4m3fn)
+        results = {}
+        for case, quantizer, takes_fp8 in (("fp8 backend", True, True), ("other backend", True, False),
+                                           ("no quantizer", False, True)):
+            attn = SimpleNamespace(
+                num_heads=2, head_size=4, use_direct_call=True, layer_name="layer", _q_scale=scale,
+                query_quant=(lambda q, s: ((q / s).to(torch.float8_e4m3fn), None)) if quantizer else None,
+                impl=SimpleNamespace(supports_quant_query_input=takes_fp8),
+            )
+            out = exact.attend_after(attn, query, query.new_empty(0))
+            given = seen[-1].reshape(3, 8)
+            results[case] = [str(given.dtype), str(out.dtype), torch.equal(given.float(), quantized.float()),
+                             torch.equal(given.float(), query.float())]
+        print(json.dumps(results))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fp8 backend"] == ["torch.float8_e4m3fn", "torch.bfloat16", True, False]
+    assert result["other backend"] == ["torch.bfloat16", "torch.bfloat16", False, True]
+    assert result["no quantizer"] == ["torch.bfloat16", "torch.bfloat16", False, True]
 
 
 @pytest.mark.slow
