@@ -30,7 +30,7 @@ The numbers follow what this toolkit's training step keeps alive, not a generic 
   activations (a layer's forward plus the float64 features, ``8 (h+1)`` per token).
 
 The activation terms are checked against the peak memory of real CPU runs of the objective
-(tests/test_distill_check.py); the model states against DeepSpeed's estimators.
+(tests/distill/test_check.py); the model states against DeepSpeed's estimators.
 """
 
 from __future__ import annotations

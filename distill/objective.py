@@ -6,7 +6,7 @@ tokens (``normalize="counted"``) or summed over them and divided by every positi
 counted tokens or over every position.  Only counted positions are projected onto the vocabulary, and in
 chunks of ``chunk_tokens`` rows whose logits are recomputed in backward (activation checkpointing), so peak
 memory is one chunk of [chunk_tokens, vocab] logits whatever the sequence length.  The chunked value and gradient equal the plain
-computation (tests/test_distill_objective.py).
+computation (tests/distill/test_objective.py).
 
 ``DistillationObjective`` wraps the causal LM so that accelerate/DeepSpeed see one module whose forward
 returns the loss.  It knows only the model's small distillation interface: ``set_mode``,

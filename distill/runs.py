@@ -67,8 +67,8 @@ def _run(recipe: Recipe, recipe_file: Path, launch: Path | None, end_training: b
         if status != 0:
             raise LaunchError(
                 f"the distillation into {recipe.output_dir} failed under accelerate launch (exit status "
-                f"{status}) (to resolve, fix the error printed above and run again: the stages already done "
-                "are skipped)"
+                f"{status}) (to resolve, fix the error printed above and run the job again: the stages already "
+                "done are skipped)"
             )
     return distillation_result(recipe.output_dir)
 

@@ -164,7 +164,9 @@ def job_config(quick: bool = False, **choices) -> JobConfig:
         error = e.errors()[0]
         where = ".".join(map(str, error["loc"])) or "job"
         message = error["msg"].removeprefix("Value error, ")
-        raise UsageError(f"{where}: {message} (to resolve, pass another --{where.split('.')[0]})") from None
+        raise UsageError(
+            f"{where}: {message} (to resolve, pass another --{where.split('.')[0].replace('_', '-')})"
+        ) from None
 
 
 def run_job(config: JobConfig = FULL) -> Path:
@@ -220,10 +222,12 @@ def run_job(config: JobConfig = FULL) -> Path:
             dict(name=f"{name}-converted", dir=str(converted), fraction=fraction, key=convert_key)
         )
         variants.append(dict(name=name, dir=result["model"], fraction=fraction, key=key, distill=result))
+        student = run_dir / "recipes" / f"distill-{name}.yaml"
+        launcher = ["accelerate", "launch", "--config_file", str(config.launch), "-m", "distill"]
         commands += [
             f"swiftkv convert {base} {converted} --swiftkv-fraction {fraction}"
             + (f" --exact-kv-window {recipe.model.exact_kv_window}" if recipe.model.exact_kv_window else ""),
-            shlex.join(["swiftkv", "distill", str(run_dir / "recipes" / f"distill-{name}.yaml")]),
+            shlex.join([*(launcher if config.launch else ["swiftkv", "distill"]), str(student)]),
         ]
 
     quality_settings = config.quality.model_dump()

@@ -6,7 +6,7 @@ takes the first ``rank_t`` columns of it, so full keys are never rebuilt.  Value
 weighted sum: ``Σ_j p_j v̂_j = U_v (Σ_j p_j c_j)``; the per-tier sums are accumulated in coefficient space
 (padded to ``d``) and mapped back once.  Exact tokens (sinks and window) are scored alongside, and one
 softmax runs over all columns, so the result equals softmax attention over the reconstructed K/V
-(``tests/test_kvcompress.py`` checks this) while the transient memory is ``O(n·rank)`` instead of ``O(n·d)``.
+(``tests/kvcompress/test_tale.py`` checks this) while the transient memory is ``O(n·rank)`` instead of ``O(n·d)``.
 
 The same pass records token significance (``TaleLayer.record_significance``) for the exact tokens and
 then lets the layer compress what left the window (a pass recorded for undo keeps its queries instead and

@@ -21,7 +21,7 @@ Both write into slices of buffers the caller owns (``out[..., offset:offset + n]
 serve the few query rows of a decode or verify step (``SMALL_ROWS``); a prefill chunk has hundreds of rows
 and goes to the dequantize + matmul path, where BLAS wins.  Without numba, for unquantized tiers, or for
 quantization groups that split a byte, the same functions take that path, so results never depend on the
-extra (``tests/test_kvcompress.py`` compares both).
+extra (``tests/kvcompress/test_tale.py`` compares both).
 """
 
 from __future__ import annotations

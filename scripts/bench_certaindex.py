@@ -8,7 +8,7 @@ enough that SmolLM2-135M solves some, with exact integer answers.  Per problem, 
 * SC: full-budget self-consistency (``--sc-samples`` samples) and certaindex-adaptive SC (threshold
   ``--sc-threshold``), same rounds and seeds, so the adaptive samples are a prefix of the full ones.  The
   adaptive arm is run for real on the first ``--sc-real`` problems and checked against ``sc.replay`` of the
-  full run; the rest are replayed (exact by construction, see tests/test_certaindex_backends.py).
+  full run; the rest are replayed (exact by construction, see tests/eval/serving/certaindex/test_backends.py).
 
 Reports accuracy, tokens per problem (CoT early exit: main + probe tokens), the token ratio against the
 baseline, per-problem medians and how many answers flipped right->wrong / wrong->right.  Tokens are counts,

@@ -1,6 +1,6 @@
 """Distillation step throughput: shared lower layers (ours) vs a naive two-forward-pass loop, same run.
 
-Both compute the same loss and gradients (tests/test_distill_objective.py); the naive loop runs the teacher
+Both compute the same loss and gradients (tests/distill/test_objective.py); the naive loop runs the teacher
 and the student as two full forward passes, as the reference trainer does.  A third variant trains with exact
 K/V (``--exact-kv-window``, the recipes' setting: the loss mask's replies and the window before each take exact
 K/V in layers >= l), so its cost is measured beside the plain step.  Each repeat times one

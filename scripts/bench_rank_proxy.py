@@ -42,7 +42,7 @@ ARMS = ("fcfs", "ranker", "oracle")
 
 def start_proxy(ranker: Path | None, upstream: str, work: Path, oracle: bool) -> tuple[subprocess.Popen, str]:
     port = bs._free_port()
-    argv = [str(CORE_PYTHON), "-m", "eval.serving.ranking", "proxy", str(ranker or work / "none")]
+    argv = [str(CORE_PYTHON), "-m", "toolkit", "ranking", "proxy", str(ranker or work / "none")]
     argv += ["--upstream", upstream, "--port", str(port)] + (["--oracle"] if oracle else [])
     log = open(work / f"proxy-{'oracle' if oracle else 'ranker'}.log", "w")
     env = {**os.environ, "PYTHONPATH": str(bs.ROOT)}

@@ -387,7 +387,7 @@ def steps_to_target(
 def trainer_trial(seed: int, args, root: Path, tree: dict, reference: dict, scar: dict) -> dict:
     """SIGKILL the SCAR run at a random moment, resume it, count the steps until the uninterrupted run's
     held-out KL at the last logged step is reached; full checkpoint + rollback resumes at the last full
-    checkpoint and replays the uninterrupted run exactly (tests/test_distill_train.py), so its cost is read
+    checkpoint and replays the uninterrupted run exactly (tests/distill/test_train.py), so its cost is read
     off the reference curve."""
     rng = random.Random(20_000 + seed)
     last = args.trainer_steps

@@ -1,18 +1,18 @@
-"""The fraction sweep: candidates, the budget choice, and real sweeps of a tiny model (skip on rerun, resume)."""
+"""The fraction sweep: candidates, the budget choice, and real sweeps of a tiny model: each candidate a stage of
+the main job's resume scheme (skipped when unchanged, rerun when its recipe changed, resumed after a kill)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from helpers import ROOT
+from helpers.faults import Job
 
 from distill.sweep import candidate_layers, choose, report_lines, sweep
 from swiftkv.flops import Shape, ideal_prefill_speedup, prefill_flops_original, prefill_flops_swiftkv
@@ -61,7 +61,7 @@ def write_recipe(path: Path, model: Path, data: Path) -> Path:
 def test_sweep_distills_each_candidate_once_and_reports_the_choice(tiny_chat_model, chat_data, tmp_path):
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_chat_model, chat_data)
     out = tmp_path / "sweep"
-    summary = sweep(tiny_chat_model, [0.3, 0.5], 300, out, recipe, max_kl=10.0)
+    summary = sweep(tiny_chat_model, [0.3, 0.5], out, budget_tokens=300, recipe=recipe, max_kl=10.0)
     assert [r["num_key_value_layers"] for r in summary["results"]] == [4, 3]
     config = json.loads((tiny_chat_model / "config.json").read_text())
     for r in summary["results"]:
@@ -80,15 +80,19 @@ def test_sweep_distills_each_candidate_once_and_reports_the_choice(tiny_chat_mod
     assert (out / "sweep.png").stat().st_size > 0
 
     logs = {p: p.stat().st_mtime_ns for p in out.glob("l*/log.jsonl")}
-    again = sweep(tiny_chat_model, [0.5, 0.3], 300, out, recipe, max_kl=0.0001)  # finished: only re-judged
+    again = sweep(
+        tiny_chat_model, [0.5, 0.3], out, budget_tokens=300, recipe=recipe, max_kl=0.0001
+    )  # re-judged
     assert {p: p.stat().st_mtime_ns for p in out.glob("l*/log.jsonl")} == logs
     assert [r["kl"] for r in again["results"]] == [r["kl"] for r in summary["results"]]
     assert again["chosen"] is None and "No candidate meets KL ≤ 0.0001." in (out / "sweep.md").read_text()
 
-    before = (out / "sweep.json").read_text()
-    with pytest.raises(UsageError, match=r"holds a candidate of another recipe or budget"):
-        sweep(tiny_chat_model, [0.5], 600, out, recipe)  # another budget: refused before any work
-    assert (out / "sweep.json").read_text() == before
+    # another budget: that candidate is another stage and reruns from scratch; the other one stays as it is
+    l4 = (out / "l4" / "log.jsonl").read_text()
+    third = sweep(tiny_chat_model, [0.5], out, budget_tokens=600, recipe=recipe)
+    steps = [json.loads(line)["step"] for line in (out / "l3" / "log.jsonl").read_text().splitlines()]
+    assert third["results"][0]["steps"] == 5 and max(steps) == 5 and steps.count(0) == 1  # a fresh log
+    assert (out / "l4" / "log.jsonl").read_text() == l4
 
 
 @pytest.mark.smollm2
@@ -97,7 +101,15 @@ def test_sweep_with_exact_kv_trains_the_window_and_counts_it_in_the_speedup(
 ):
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_chat_model, chat_data)
     out = tmp_path / "sweep"
-    summary = sweep(tiny_chat_model, [0.5], 100, out, recipe, ["model.exact_kv_window=4"], prefill_tokens=64)
+    summary = sweep(
+        tiny_chat_model,
+        [0.5],
+        out,
+        budget_tokens=100,
+        recipe=recipe,
+        overrides=["model.exact_kv_window=4"],
+        prefill_tokens=64,
+    )
     (result,) = summary["results"]
     config = json.loads((tiny_chat_model / "config.json").read_text())
     shape = Shape.from_config({**config, "num_key_value_layers": 3, "exact_kv_window": 4})
@@ -127,38 +139,23 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_sweep_killed_in_a_candidate_resumes_it_and_skips_the_finished_one(
     tiny_chat_model, chat_data, tmp_path
 ):
-    """SIGKILL while the second candidate trains (after its step-2 checkpoint); the rerun skips the first,
-    resumes the second from its checkpoint, and ends with the uninterrupted sweep's numbers."""
+    """SIGKILL inside the second candidate's step-2 checkpoint write (a point the test chooses); the rerun skips
+    the first, resumes the second from its step-1 checkpoint, and ends with the uninterrupted sweep's numbers."""
     recipe = write_recipe(tmp_path / "recipe.yaml", tiny_chat_model, chat_data)
     args = [str(tiny_chat_model), "--fractions", "0.3,0.5", "--budget-tokens", "640", "--recipe", str(recipe)]
     assert cli(*args, "--out", str(tmp_path / "reference")).returncode == 0  # same threads as the runs below
     reference = json.loads((tmp_path / "reference" / "sweep.json").read_text())
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "distill", "sweep", *args, "--out", str(out)],
-        cwd=ROOT,
-        env=ENV,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not (out / "l3" / "checkpoints" / "step_2" / "trainer_state.json").is_file():
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                "the sweep ended before the kill point"
-            )
-            time.sleep(0.005)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    sweep_cmd = ["-m", "distill", "sweep", *args, "--out", str(out)]
+    with Job(tmp_path / "launches", sweep_cmd, at="checkpoint:2@l3") as job:
+        job.kill_at_point()  # inside candidate l3's step-2 checkpoint write, after l4 finished
     assert not (out / "l3" / "model").exists() and (out / "l4" / "model").is_dir()
     first_log = (out / "l4" / "log.jsonl").read_text()
 
     result = cli(*args, "--out", str(out), "--max-kl", "100")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[sweep] l=4: finished before, skipped" in result.stdout
+    assert "[l4] up to date, skipped" in result.stdout
     assert "resumed from" in result.stdout + result.stderr
     assert (out / "l4" / "log.jsonl").read_text() == first_log
     summary = json.loads((out / "sweep.json").read_text())

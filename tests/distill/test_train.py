@@ -290,3 +290,27 @@ def test_exact_kv_window_trains_in_the_served_regime_and_is_saved(
         capsys, recipe, f"model.source={grouped}", "model.exact_kv_window=4", f"output_dir={tmp_path}/g"
     )
     assert "has AcrossKV groups of 3" in error
+
+
+@pytest.mark.smollm2
+def test_a_fresh_conversion_as_source_takes_the_recipes_init_and_is_held_to_its_layout(
+    tiny_chat_model, chat_data, tmp_path, capsys
+):
+    """The main job converts in a stage of its own and trains that conversion: the trainer starts it exactly
+    as a conversion of its own (the recipe's least-squares init applies: the same held-out KL at step 0, far
+    from the copies'), and refuses one whose layout differs from model.swiftkv in one line, before any work."""
+    start = {}
+    for name, init in (("itself", "lstsq"), ("copies", "copy")):
+        out = tmp_path / name
+        distill(write_recipe(tmp_path, tiny_chat_model, chat_data, out, init=init, max_steps=1))
+        start[name] = records(out)[0]["eval_kl"]
+    converted = swiftkv.convert.convert(tiny_chat_model, tmp_path / "conversion", num_key_value_layers=3)
+    given = write_recipe(tmp_path, converted, chat_data, tmp_path / "given", init="lstsq", max_steps=1)
+    distill(given)
+    assert records(tmp_path / "given")[0]["eval_kl"] == pytest.approx(start["itself"], rel=1e-5)
+    assert start["itself"] < 0.9 * start["copies"] and not (tmp_path / "given" / "converted").exists()
+    error = refused(capsys, given, "model.swiftkv.num_key_value_layers=4", f"output_dir={tmp_path}/x")
+    assert error == (
+        f"error: model.source {converted} has num_key_value_layers 3 and group size 1, but model.swiftkv asks "
+        "for 4 and 1 (to resolve, convert with the recipe's layout or change model.swiftkv)"
+    )

@@ -1,5 +1,6 @@
-"""The main job's quick mode end to end from a non-editable install (the wheel in a fresh venv, its ``swiftkv``
-console script run from an unrelated folder, so CI catches a missing install step or package data), then a
+"""The main job's quick mode and a one-candidate fraction sweep end to end from a non-editable install (the wheel
+in a fresh venv, its ``swiftkv`` console script and ``python -m distill sweep`` run from an unrelated folder, so
+CI catches a missing install step or package data), then a
 rerun from the checkout through ``python -m toolkit`` (the same front door) that skips every stage.  And the job on a model of
 the user's own, named by its Hub id (found offline in a local cache), distilled under ``accelerate launch``
 and evaluated in bfloat16; a launch that fails ends in one line."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,13 +17,14 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import ROOT
 from helpers.chat import save_chat_model
 from huggingface_hub import ModelCard
 
 from distill.recipe import SHIPPED_RECIPES
 from eval.cli import main
-from eval.job import DEFAULT_RECIPE
+from eval.job import DEFAULT_RECIPE, QUICK
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # what `pip install .` needs from the checkout (the tests, docs and scripts are not part of the package)
@@ -114,6 +117,32 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
     assert curve[-1]["eval_kl"] == swift["distill"]["eval_kl"] != curve[0]["eval_kl"]
     assert "| swiftkv50 (this job) | 4 | 1,024 |" in report.read_text()
     assert (tmp_path / "run" / "quality_vs_tokens.png").stat().st_size > 1000
+    # `python -m distill sweep` from the installed package: its default recipe is package data
+    tiny = [*QUICK.distill_overrides, "train.max_steps=2"]
+    sweep_out = tmp_path / "sweep"
+    sweep = subprocess.run(
+        [
+            python,
+            "-m",
+            "distill",
+            "sweep",
+            str(smollm2),
+            "--out",
+            str(sweep_out),
+            "--fractions",
+            "0.25",
+            *tiny,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+        env=ENV,
+        timeout=900,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    (result,) = json.loads((sweep_out / "sweep.json").read_text())["results"]
+    assert abs(result["fraction"] - 0.25) <= 1 / 30 and result["steps"] == 2 and result["kl"] > 0
+    assert (sweep_out / "stages" / f"l{result['num_key_value_layers']}.json").is_file()
     checkout = {**ENV, "PYTHONPATH": str(ROOT)}  # this checkout's code
     second = subprocess.run(
         [sys.executable, "-m", "toolkit", *args],
@@ -160,10 +189,26 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, hub, tmp_p
     original, swift = run["variants"]
     assert original["dir"].endswith(f"models--acme--tiny-chat/snapshots/{commit}")
     assert swift["quality"]["dtype"] == "bfloat16" and swift["quality"]["kl"] > 0
-    assert run["commands"][0].endswith(f"acme/tiny-chat --dtype bfloat16 --launch {launch} --quick")
-    assert run["commands"][1].startswith(
-        f"python -m accelerate.commands.launch --quiet --config_file {launch} -m distill "
+    assert run["commands"][0] == shlex.join(
+        [
+            "swiftkv",
+            "run",
+            "acme/tiny-chat",
+            "--out",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--launch",
+            str(launch),
+            "--quick",
+        ]
     )
+    assert run["commands"][1].startswith(f"swiftkv convert {original['dir']} {out / 'convert-swiftkv50'} ")
+    launched = out / "recipes" / "distill-swiftkv50.yaml"  # the typed recipe the launch trained
+    assert run["commands"][2] == f"accelerate launch --config_file {launch} -m distill {launched}"
+    student = yaml.safe_load(launched.read_text())
+    assert student["model"]["source"] == str(out / "convert-swiftkv50")
+    assert student["model"]["swiftkv"]["fraction"] == 0.5 and student["train"]["max_steps"] == 4
     assert (
         swift["distill"]["eval_kl"] > 0 and len(swift["distill"]["curve"]) == 2
     )  # read back from the launch

@@ -17,6 +17,9 @@ or ``accelerate launch ... tests/helpers/faults.py tests/helpers/zero3_run.py RE
   ``step:N``        step N's optimizer step is done, its scheduler step is not: nothing of step N is logged
                     or saved (step N-1's log record, checkpoint and running checkpoint are complete)
 
+  Either point may name the run it applies to, ``checkpoint:N@NAME``: only a run whose ``output_dir`` is
+  called NAME stops there (a sweep trains several runs in one process: ``@l3`` picks its candidate l = 3).
+
 Test side: :class:`Job` starts one launch (one process, ``torch.distributed.run`` or ``accelerate launch``) in
 a session of its own, on a rendezvous port held by the test for the whole launch (:func:`reserve_port`: no
 port probed with bind(0), closed and reused, and never accelerate's default 29500)::
@@ -73,10 +76,15 @@ def _reach(folder: Path, rank: int, at: str) -> None:
 
 def install(at: str, folder: Path, rank: int) -> None:
     """Patch the training code (from here, not in the library) to stop at ``at``."""
-    name, _, n = at.partition(":")
+    point, _, run_name = at.partition("@")
+    name, _, n = point.partition(":")
     if name not in POINTS or not n.isdigit():
-        raise SystemExit(f"faults.py: unknown point {at!r} (expected one of {POINTS} as NAME:STEP)")
+        raise SystemExit(f"faults.py: unknown point {at!r} (expected one of {POINTS} as NAME:STEP[@RUN])")
     target = int(n)
+
+    def here(run) -> bool:  # the point's run: any, or the one whose output_dir is named run_name
+        return not run_name or run.out.name == run_name
+
     import torch
     from accelerate import Accelerator
 
@@ -87,7 +95,7 @@ def install(at: str, folder: Path, rank: int) -> None:
         writing: list[int] = []
 
         def save_checkpoint(run, step: int) -> None:
-            writing.append(step)
+            writing.append(step if here(run) else None)
             try:
                 real_checkpoint(run, step)
             finally:
@@ -106,7 +114,8 @@ def install(at: str, folder: Path, rank: int) -> None:
         watched: dict[int, int] = {}  # id(the run's scheduler) -> the step its next call completes
 
         def loop(run, *args, **kwargs):
-            watched[id(run.scheduler)] = run.start_step + 1
+            if here(run):
+                watched[id(run.scheduler)] = run.start_step + 1
             return real_loop(run, *args, **kwargs)
 
         def step(self, *args, **kwargs):  # on the class: the scheduler's own state_dict stays untouched

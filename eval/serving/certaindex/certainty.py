@@ -3,7 +3,7 @@
 Two signals from the Dynasor paper.  For one chain of thought, the probe-in-the-middle exit rule: stop when
 the last W probe answers are all non-empty, all mutually equal, and none of the probe outputs hesitates.
 Every one of those three conditions must hold (the public reference has an exit check that always passes;
-``tests/test_certaindex.py`` feeds sequences that fail each condition alone).  For n sampled answers,
+``tests/eval/serving/certaindex/test_early_exit.py`` feeds sequences that fail each condition alone).  For n sampled answers,
 certaindex = (log n - H) / log n, with H the entropy of the answer clusters: 1 when all agree, 0 when all
 differ.  Empty answers never agree with anything, so failed extractions count as maximal disagreement.
 """

@@ -4,7 +4,7 @@ Why: the object tree does O(max_depth) Python work per appended token (one step 
 request tree and in the global tree) and scores up to ``max_depth`` drafts per ``speculate()``; compiled,
 both are a few microseconds.  Same structure, same update rules in the same order (so the same sibling
 order and ties), same float32 arithmetic: drafts are identical to :class:`.tree.SuffixTree`'s
-(tests/test_suffix_fast.py).  numba is optional (the ``fast`` extra); without it the object tree is used.
+(tests/eval/serving/suffix/test_fast.py).  numba is optional (the ``fast`` extra); without it the object tree is used.
 
 Layout: node fields are the columns of one int32 table (``NODE_FIELDS``); a node's children are found in
 an open-addressing hash table keyed by (parent, token), its suffix endpoints in a linked list of records

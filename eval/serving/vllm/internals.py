@@ -3,7 +3,7 @@
 vLLM's model-side building blocks (layers, the compile decorators, the forward context, attention metadata) are
 not a stable API: a minor release can move or rename them.  The plugin imports them from here only, and
 ``USED`` lists each one with the parameters or members the plugin relies on, so that a vLLM upgrade is checked
-name by name: ``tests/test_vllm_plugin.py`` resolves every entry in the installed vLLM, and
+name by name: ``tests/eval/serving/vllm/test_plugin.py`` resolves every entry in the installed vLLM, and
 ``scripts/check_vllm_api.py`` reads another vLLM's Python sources (no import, so a CUDA wheel can be checked on
 a CPU machine).  The tested range is stated in docs/serving.md.
 
