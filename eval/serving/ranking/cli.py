@@ -106,7 +106,7 @@ def build_parser() -> ArgumentParser:
     add_model(p, "ranker", help="ranker directory (from `train`)")
     add_model(p, "traces", help="traces directory or JSONL")
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
-    add_out(p, help="also write the result as JSON", required=False)
+    add_out(p, help="also write the result as JSON (the table's numbers and more)", required=False)
 
     p = sub.add_parser(
         "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
@@ -183,12 +183,12 @@ def _command(args) -> str | None:
         options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
         return str(train_ranker(args.traces, args.out, TrainConfig(**options), force=args.force))
     if args.command == "evaluate":
-        from .train import evaluate_ranker
+        from .train import evaluate_ranker, evaluation_table
 
         result = evaluate_ranker(args.ranker, args.traces, args.split)
         if args.out:
             write_json_atomic(args.out, result)
-        return json.dumps(result, indent=2)
+        return evaluation_table(result) + (f"\nwrote {args.out}" if args.out else "")
     if args.command == "calibrate":
         from dataclasses import asdict
 
