@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from typing import Literal, get_args, get_origin
@@ -26,6 +27,7 @@ EPILOG = """examples:
   swiftkv ranking labels MODEL --out out/sharegpt-lengths                      # recorded ShareGPT reply lengths
   swiftkv ranking train out/sharegpt-lengths --out out/ranker-ngram --kind ngram  # cheap, for the proxy
   swiftkv ranking proxy out/ranker-ngram --upstream http://127.0.0.1:8000 --port 8100
+  swiftkv ranking proxy-overhead out/ranker-ngram --prompt-tokens 1000             # ms added per request
   swiftkv ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
   swiftkv ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
   swiftkv ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
@@ -87,6 +89,14 @@ def build_parser() -> ArgumentParser:
         "--oracle", action="store_true", help="benchmarks only: priority = the request's max_tokens"
     )
 
+    p = sub.add_parser(
+        "proxy-overhead", help="wall-clock ms the proxy adds per request (HTTP relay included, fake upstream)"
+    )
+    add_model(p, "ranker", help="ngram ranker directory")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=1000)
+    p.add_argument("--repeats", type=_positive_int, default=300, help="requests each way")
+    add_out(p, help="also write the result as JSON", required=False)
+
     p = sub.add_parser("train", help="train a ranker on the training split and export it")
     add_model(p, "traces", help="traces directory or JSONL with `prompt` and `output_len`")
     add_out(p, help="ranker directory (complete or absent)")
@@ -140,6 +150,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (checked before any work)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -177,6 +198,13 @@ def _command(args) -> str | None:
 
         serve(args.ranker, args.upstream, args.host, args.port, args.scale, args.oracle)
         return None
+    if args.command == "proxy-overhead":
+        from .proxy import overhead_ms
+
+        result = overhead_ms(args.ranker, args.prompt_tokens, args.repeats)
+        if args.out:
+            write_json_atomic(args.out, result)
+        return json.dumps(result, indent=2)
     if args.command == "train":
         from .train import TrainConfig, train_ranker
 
