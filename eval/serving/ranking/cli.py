@@ -9,6 +9,7 @@ from typing import Literal, get_args, get_origin
 
 from toolkit.cliargs import (
     ArgumentParser,
+    UsageError,
     add_checkpoint,
     add_dtype,
     add_force,
@@ -19,6 +20,7 @@ from toolkit.cliargs import (
     command_parser,
     existing_path,
     float_list,
+    int_list,
     run,
 )
 
@@ -32,7 +34,8 @@ EPILOG = """examples:
   swiftkv ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
   swiftkv ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
   swiftkv ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
-  swiftkv ranking calibrate MODEL --out out/cost.json                              # measured step times
+  swiftkv ranking calibrate MODEL --out out/cost.json                              # transformers step times
+  swiftkv ranking calibrate --server http://127.0.0.1:8000 --out out/cost-vllm.json  # a vLLM server's
   swiftkv ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
 """
 
@@ -119,12 +122,31 @@ def build_parser() -> ArgumentParser:
     add_out(p, help="also write the result as JSON (the table's numbers and more)", required=False)
 
     p = sub.add_parser(
-        "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
+        "calibrate",
+        help="fit the simulator's cost model to step times: transformers forwards of MODEL, or a vLLM --server",
     )
-    add_checkpoint(p)
+    add_checkpoint(p, nargs="?", help="model to time in transformers (or pass --server instead)")
     add_out(p, help="cost-model JSON to write")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=_positive_int, default=3)
     add_dtype(p, "float32", TORCH_DTYPES)
+    server = p.add_argument_group("a running vLLM server (timed requests through its OpenAI API)")
+    server.add_argument("--server", help="its URL, e.g. http://127.0.0.1:8000")
+    server.add_argument(
+        "--served-model", help="the model name requests carry (default: the only one it lists)"
+    )
+    server.add_argument(
+        "--batches",
+        type=int_list,
+        default=[1, 4, 8, 16],
+        help="decoding sequences per step (<= --max-num-seqs)",
+    )
+    server.add_argument(
+        "--prompt-lens",
+        type=int_list,
+        default=[64, 256, 512, 1024],
+        help="prefill tokens (<= --max-num-batched-tokens)",
+    )
+    server.add_argument("--decode-tokens", type=_positive_int, default=48, help="tokens per decoding request")
 
     p = sub.add_parser("simulate", help="latency/throughput of FCFS, LTR-SJF and oracle SJF at Poisson rates")
     add_model(p, "ranker", help="ranker directory (from `train`)")
@@ -218,15 +240,39 @@ def _command(args) -> str | None:
             write_json_atomic(args.out, result)
         return evaluation_table(result) + (f"\nwrote {args.out}" if args.out else "")
     if args.command == "calibrate":
-        from dataclasses import asdict
+        return _calibrate(args)
+    return _simulate(args)
 
+
+def _calibrate(args) -> str:
+    """Cost model from transformers forwards of MODEL or from a running server's streams (exactly one)."""
+    from dataclasses import asdict
+
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.checkpoint import open_checkpoint
+
+    if (args.model is None) == (args.server is None):
+        raise UsageError("calibrate times either MODEL or a --server (to resolve, pass exactly one)")
+    if args.server is None:
         from .simulator import calibrate_cost_model
 
         model = open_checkpoint(args.model, tokenizer=False, model_types=None).path  # times forwards only
-        cost = calibrate_cost_model(model, args.repeats, args.dtype)
-        write_json_atomic(args.out, {**asdict(cost), "model": str(args.model)})
-        return json.dumps(asdict(cost))
-    return _simulate(args)
+        cost = asdict(calibrate_cost_model(model, args.repeats, args.dtype))
+        write_json_atomic(args.out, {**cost, "model": str(args.model)})
+        return json.dumps(cost)
+    from .server_calibration import Endpoint, calibrate_server
+
+    Endpoint.parse(args.server)  # a malformed URL is refused before any request
+    result = calibrate_server(
+        args.server,
+        args.served_model,
+        tuple(args.batches),
+        tuple(args.prompt_lens),
+        args.decode_tokens,
+        args.repeats,
+    )
+    write_json_atomic(args.out, result)
+    return json.dumps({k: result[k] for k in ("base", "prefill_token", "decode_token", "request_overhead_s")})
 
 
 def main(argv: list[str] | None = None) -> int:
