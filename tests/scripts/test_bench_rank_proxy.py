@@ -100,10 +100,9 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     model = tmp_path / "tiny"
-    # head_dim 32: vLLM's CPU attention supports head sizes >= 32
-    tiny_base(
-        "llama", num_attention_heads=2, num_key_value_heads=1, vocab_size=len(tokenizer)
-    ).save_pretrained(model)
+    # head_dim 32: vLLM's CPU attention supports head sizes >= 32; ShareGPT pairs reach the script's 2,048 tokens
+    shape = dict(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    tiny_base("llama", **shape, vocab_size=len(tokenizer)).save_pretrained(model)
     tokenizer.save_pretrained(model)
     sharegpt_lengths(smollm2, tmp_path / "lengths", records="train", limit=300)
     ranker = train_ranker(tmp_path / "lengths", tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=16))
