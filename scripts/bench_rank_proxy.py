@@ -1,29 +1,42 @@
-"""The ranking proxy in front of a real vLLM server, measured with vLLM's own benchmark client.
+"""The ranking proxy in front of a real vLLM server, measured with vLLM's own benchmark client, beside the simulator.
 
-Run with the vLLM venv's python.  One server with ``--scheduling-policy priority`` (a limited KV cache and batch
-cap, so that requests queue); three arms against it, in alternating order per repeat:
+Run with the vLLM venv's python; the proxies run in the core venv (``--core-python``).  One server with
+``--scheduling-policy priority`` (a small KV cache and batch cap, so that requests queue); three arms against it,
+in alternating order from repeat to repeat:
 
 * ``fcfs``: the client straight to the server (every request priority 0: arrival order, vLLM's FCFS);
-* ``ranker``: through ``swiftkv ranking proxy RANKER`` (the core venv), priority from the ngram
-  ranker on the prompt text;
+* ``ranker``: through ``python -m toolkit ranking proxy RANKER``, priority from the ngram ranker on the prompt;
 * ``oracle``: through the proxy with ``--oracle`` (priority = ``max_tokens``, which the client sets to the true
   reply length): the ceiling.
 
 The client runs ``--dataset-name sharegpt --dataset-path JSON --ignore-eos`` (each reply exactly its recorded
-length), a burst (``inf``) or Poisson rates.  Reports mean / p50 / p90 end-to-end latency, failures and
-preemptions (the server's ``vllm:num_preemptions_total``) per arm and the FCFS/arm ratios.
+length) at a burst (``inf``) and at Poisson rates, given in requests/s or as multiples of FCFS's request rate in
+the burst (``0.5x``: the server's saturated rate, so ``1.5x`` is past saturation).  Per arm and rate: mean / p50 /
+p90 end-to-end latency, failed requests, preemptions (the server's ``vllm:num_preemptions_total``) and the
+proxy's FCFS fallbacks (requests its ranker could not score), and the FCFS/arm ratios.
 
-    .venv/bin/swiftkv ranking labels MODEL --out out/sg-heldout --records heldout \\
+Beside each measured ratio, the simulator's (``eval.serving.ranking.simulator``) for the same requests and send
+times, with the server's token budget, batch cap and KV cache, no starvation guard (vLLM has none), and a cost
+model measured on this very server first (``ranking calibrate --server``; or ``--cost-model JSON``).  The
+simulator preempts per iteration by priority; vLLM's priority scheduler admits waiting requests by priority but
+only preempts a running one for KV memory, so the two may differ where the batch cap binds.
+
+    .venv/bin/python -m toolkit ranking labels MODEL --out out/sg-heldout --records heldout \\
         --sharegpt-json out/sg-heldout.json
     .venv-vllm/bin/python scripts/bench_rank_proxy.py MODEL out/ranker-ngram out/sg-heldout.json \\
-        --num-prompts 100 --rates inf --out out/bench/rank-proxy.json
+        --num-prompts 100 --rates inf,0.5x,1x,1.5x,2x --out out/bench/rank-proxy.json
+    .venv-vllm/bin/python scripts/bench_rank_proxy.py MODEL out/ranker-ngram out/sg-heldout.json --smoke \\
+        --out /tmp/rank-proxy-smoke.json                     # 6 requests of 8 tokens, one burst: the code paths
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,102 +46,251 @@ import types
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import bench_serve as bs  # noqa: E402  (the servers, the client and its summary)
 
-CORE_PYTHON = bs.ROOT / ".venv" / "bin" / "python"
+from toolkit.cliargs import ArgumentParser, UsageError, add_out, existing_path, run  # noqa: E402
+
 ARMS = ("fcfs", "ranker", "oracle")
+POLICY = {"fcfs": "fcfs", "ranker": "ltr", "oracle": "oracle"}  # the simulator's name for each arm
+FALLBACK_MARKS = ("FCFS priority", "forwarded as is")  # the proxy's warnings for a request it did not score
+SMOKE = dict(num_prompts=6, rates=["inf"], repeats=1)
+SMOKE_OUTPUT_LEN = 8  # tokens per reply in a smoke run, whatever the recorded length
 
 
-def start_proxy(ranker: Path | None, upstream: str, work: Path, oracle: bool) -> tuple[subprocess.Popen, str]:
+def start_proxy(args, server, work: Path, oracle: bool) -> tuple[subprocess.Popen, str, Path]:
+    """A proxy in the core venv in front of ``server``, its ranker loaded, warmed up by one completion (whose
+    priority a server without ``--scheduling-policy priority`` would refuse)."""
+    upstream = server.url
     port = bs._free_port()
-    argv = [str(CORE_PYTHON), "-m", "toolkit", "ranking", "proxy", str(ranker or work / "none")]
+    argv = [str(args.core_python), "-m", "toolkit", "ranking", "proxy", str(args.ranker)]
     argv += ["--upstream", upstream, "--port", str(port)] + (["--oracle"] if oracle else [])
-    log = open(work / f"proxy-{'oracle' if oracle else 'ranker'}.log", "w")
-    env = {**os.environ, "PYTHONPATH": str(bs.ROOT)}
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=bs.ROOT)
+    log = work / f"proxy-{'oracle' if oracle else 'ranker'}.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, not an installed copy
+    with open(log, "w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
                 r.read()
-            return process, url
+            break
         except OSError:
             if process.poll() is not None:
-                raise RuntimeError(f"the proxy exited; see {log.name}") from None
+                raise RuntimeError(f"the proxy exited: {log.read_text()[-2000:]}") from None
             time.sleep(0.5)
-    raise RuntimeError("the proxy did not come up in 120 s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", type=Path, help="served model directory")
-    p.add_argument("ranker", type=Path, help="ngram ranker directory")
-    p.add_argument(
-        "dataset", type=Path, help="ShareGPT JSON of held-out pairs (`ranking labels --sharegpt-json`)"
+    else:
+        process.terminate()
+        raise RuntimeError(f"the proxy did not come up in 120 s (log {log})")
+    body = {"model": server.name, "prompt": "Say hi.", "max_tokens": 2}
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--rates", default="inf", help="comma separated requests/s; inf = a burst")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--kv-cache-mib", type=int, default=160, help="small, so that requests queue")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", help="float32 (this CPU has no bf16 units)")
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
-    for path in (args.model, args.ranker, args.dataset):
-        if not path.exists():
-            print(f"{path} not found; to resolve, pass an existing path (see --help)", file=sys.stderr)
-            return 2
-    work = Path(tempfile.mkdtemp(prefix="rank-proxy-"))
+    try:
+        if "not loaded" in log.read_text():
+            raise RuntimeError(f"the proxy did not load ranker {args.ranker}: {log.read_text()[-1000:]}")
+        with urllib.request.urlopen(request, timeout=600) as r:
+            r.read()
+    except BaseException:
+        process.terminate()
+        raise
+    return process, url, log
+
+
+def client_flags(args, rate: float, repeat: int) -> list[str]:
+    """The dataset and load flags of one client run (the same requests for every arm of a repeat)."""
+    flags = ["--dataset-name", "sharegpt", "--dataset-path", str(args.dataset), "--num-prompts",
+             str(args.num_prompts), "--request-rate", str(rate), "--ignore-eos", "--seed", str(args.seed + repeat)]  # fmt: skip
+    return flags + (["--sharegpt-output-len", str(SMOKE_OUTPUT_LEN)] if args.smoke else [])
+
+
+def sampled_requests(args, flags: list[str]):
+    """The requests the client sends for ``flags``, in its order (vLLM's own sampling, same seed)."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.tokenizers import get_tokenizer
+
+    argv = ["--backend", "vllm", "--model", str(args.model), "--tokenizer", str(args.model), *flags]
+    return get_samples(bs.client_parser().parse_args(argv), get_tokenizer(str(args.model)))
+
+
+def simulated(run: dict, requests, scores, cost, config) -> dict:
+    """The simulator's latencies for one measured run: its requests, its send times, its arm's policy."""
+    import numpy as np
+
+    from eval.serving.ranking.simulator import simulate
+
+    start = np.asarray(run["start_times"], float)
+    order = np.argsort(start, kind="stable")
+    arrival = start[order] - start.min()
+    prompt = np.array([r.prompt_len for r in requests])[order]
+    output = np.array([r.expected_output_len for r in requests])[order]
+    finish = simulate(arrival, prompt, output, np.asarray(scores)[order], POLICY[run["arm"]], cost, config)
+    latency = finish - arrival
+    return {f"sim_{k}_s": float(v) for k, v in
+            (("mean", latency.mean()), ("p50", np.median(latency)), ("p90", np.percentile(latency, 90)))}  # fmt: skip
+
+
+def calibrated_cost(args, server, work: Path) -> dict:
+    """The cost-model JSON: ``--cost-model``, else measured on ``server`` (batches and prompts within its
+    limits, so that each decode batch runs at once and each prompt is prefilled in one step)."""
+    from eval.serving.ranking.server_calibration import calibrate_server
+
+    if args.cost_model:
+        return json.loads(args.cost_model.read_text())
+    seqs, budget = args.max_num_seqs, args.max_num_batched_tokens
+    batches = sorted({1, max(1, seqs // 4), max(1, seqs // 2), seqs})
+    prompts = sorted({64, 256, 512, min(1024, budget)} if not args.smoke else {16, 64})
+    print(f"calibrating: decode batches {batches}, prompts {prompts}", file=sys.stderr, flush=True)
+    cost = calibrate_server(server.url, server.name, tuple(batches), tuple(prompts),
+                            8 if args.smoke else 48, 1 if args.smoke else 3)  # fmt: skip
+    (work / "cost.json").write_text(json.dumps(cost))
+    return cost
+
+
+def measure(args, work: Path) -> dict:
+    """Start the server and the two proxies, calibrate, run every (repeat, rate, arm); the runs and meta."""
+    from eval.serving.ranking.predictors import Ranker
+    from eval.serving.ranking.simulator import CostModel, SimConfig
+
     engine = ["--dtype", args.dtype, "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
               "--max-model-len", "2048", "--seed", "0", "--enforce-eager", "--no-enable-prefix-caching",
               "--scheduling-policy", "priority", "--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
-    runs = []
-    with bs.serving("priority", args.model, engine, work, bs.server_env(work)) as server:
-        proxies = {
-            arm: start_proxy(args.ranker, server.url, work, arm == "oracle") for arm in ("ranker", "oracle")
-        }
-        try:
-            targets = {"fcfs": server.url, **{arm: url for arm, (_, url) in proxies.items()}}
-            for repeat in range(args.repeats):
-                for rate in args.rates.split(","):
-                    for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
-                        flags = ["--dataset-name", "sharegpt", "--dataset-path", str(args.dataset),
-                                 "--num-prompts", str(args.num_prompts), "--request-rate", rate,
-                                 "--ignore-eos", "--seed", str(repeat)]  # fmt: skip
-                        before = server.counters()
-                        target = types.SimpleNamespace(url=targets[arm], name=server.name, model=server.model)
-                        result, client_argv = bs.bench_serve(target, flags, work / f"client-{arm}.log")
-                        after = server.counters()
-                        row = {"arm": arm, "rate": rate, "repeat": repeat, **bs.summary(result)}
-                        row["preemptions"] = after[bs.COUNTERS[0]] - before[bs.COUNTERS[0]]
-                        runs.append(row)
-                        print(f"{rate} {arm}: mean {row['mean_e2el_ms'] / 1e3:.1f} s, p90 "
-                              f"{row['p90_e2el_ms'] / 1e3:.1f} s, failed {row['failed']}, "
-                              f"preemptions {row['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
-        finally:
-            for process, _ in proxies.values():
-                process.terminate()
-                process.wait(timeout=30)
-    table = ["| rate | arm | mean s | p50 s | p90 s | FCFS/arm mean | FCFS/arm p90 | preemptions | failed |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for rate in args.rates.split(","):
-        med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm and r["rate"] == rate)
-                     for k in ("mean_e2el_ms", "p50_e2el_ms", "p90_e2el_ms", "preemptions", "failed")}
+    ranker = Ranker(args.ranker)
+    runs: list[dict] = []
+    with (
+        bs.serving("priority", args.model, engine, work, bs.server_env(work)) as server,
+        contextlib.ExitStack() as stack,
+    ):
+        cost = calibrated_cost(args, server, work)  # before the proxies: nothing else runs on the server
+        config = SimConfig(args.max_num_batched_tokens, args.max_num_seqs, 10**9, 1, server.kv_tokens())
+        proxies = {}
+        for arm in ("ranker", "oracle"):
+            process, url, log = start_proxy(args, server, work, arm == "oracle")
+            stack.callback(process.wait, 30)
+            stack.callback(process.terminate)
+            proxies[arm] = (url, log)
+        targets = {"fcfs": server.url, **{arm: url for arm, (url, _) in proxies.items()}}
+        saturated = None  # FCFS's request rate in the burst: what "1x" means
+        for repeat in range(args.repeats):
+            for spec in sorted(args.rates, key=lambda r: r != "inf"):
+                rate = bs._resolve(spec, saturated)
+                flags = client_flags(args, rate, repeat)
+                requests = sampled_requests(args, flags)
+                scores = ranker.score([r.prompt for r in requests])
+                for arm in bs.interleave(list(ARMS), repeat):
+                    marks = _fallbacks(proxies[arm][1]) if arm in proxies else 0
+                    before = server.counters()
+                    target = types.SimpleNamespace(url=targets[arm], name=server.name, model=server.model)
+                    result, argv = bs.bench_serve(target, flags, work / f"client-{arm}.log")
+                    after = server.counters()
+                    if result["input_lens"] != [r.prompt_len for r in requests]:
+                        raise RuntimeError(
+                            "the client sent other requests than vLLM's sampling gave this script"
+                        )
+                    run = {"arm": arm, "rate": spec, "rate_rps": rate, "repeat": repeat, **bs.summary(result),
+                           "start_times": result["start_times"], "command": bs.client_command(argv),
+                           "preemptions": after[bs.COUNTERS[0]] - before[bs.COUNTERS[0]],
+                           "proxy_fallbacks": _fallbacks(proxies[arm][1]) - marks if arm in proxies else 0}  # fmt: skip
+                    run.update(simulated(run, requests, scores, CostModel.from_dict(cost), config))
+                    runs.append(run)
+                    print(f"{spec} {arm}: mean {run['mean_e2el_ms'] / 1e3:.1f} s (simulated {run['sim_mean_s']:.1f}),"
+                          f" p90 {run['p90_e2el_ms'] / 1e3:.1f} s, failed {run['failed']}, preemptions "
+                          f"{run['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
+                    if spec == "inf" and arm == "fcfs" and saturated is None:
+                        saturated = result["request_throughput"]
+        meta = {"engine": engine, "kv_tokens": server.kv_tokens(), "cost_model": cost, "sim_config": config.__dict__,
+                "saturated_rps": saturated}  # fmt: skip
+    return {"meta": meta, "runs": runs}
+
+
+def _fallbacks(log: Path) -> int:
+    """Requests the proxy forwarded in FCFS order so far (its warnings in ``log``)."""
+    return sum(
+        any(m in line for m in FALLBACK_MARKS) for line in log.read_text(errors="replace").splitlines()
+    )
+
+
+def table(args, runs: list[dict]) -> list[str]:
+    """Medians over repeats per rate and arm, the FCFS/arm ratios measured and simulated."""
+    lines = ["| rate | arm | mean s | p50 s | p90 s | FCFS/arm mean | sim | FCFS/arm p90 | sim | preemptions | failed "
+             "| proxy fallbacks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    keys = ("mean_e2el_ms", "p50_e2el_ms", "p90_e2el_ms", "sim_mean_s", "sim_p90_s", "preemptions", "failed",
+            "proxy_fallbacks")  # fmt: skip
+    for spec in sorted(args.rates, key=lambda r: r != "inf"):
+        med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm and r["rate"] == spec) for k in keys}
                for arm in ARMS}  # fmt: skip
-        for arm in ARMS:
-            m = med[arm]
-            table.append(f"| {rate} | {arm} | {m['mean_e2el_ms'] / 1e3:.1f} | {m['p50_e2el_ms'] / 1e3:.1f} | "
-                         f"{m['p90_e2el_ms'] / 1e3:.1f} | {med['fcfs']['mean_e2el_ms'] / m['mean_e2el_ms']:.2f}x | "
-                         f"{med['fcfs']['p90_e2el_ms'] / m['p90_e2el_ms']:.2f}x | {m['preemptions']:.0f} | "
-                         f"{m['failed']:.0f} |")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"engine": engine, "client": bs.client_command(client_argv), "runs": runs,
-                                    "table": table}, indent=1))  # fmt: skip
-    print("\n".join(table))
-    return 0
+        fcfs = med["fcfs"]
+        for arm, m in med.items():
+            lines.append(
+                f"| {spec} | {arm} | {m['mean_e2el_ms'] / 1e3:.1f} | {m['p50_e2el_ms'] / 1e3:.1f} | "
+                f"{m['p90_e2el_ms'] / 1e3:.1f} | {fcfs['mean_e2el_ms'] / m['mean_e2el_ms']:.2f}x | "
+                f"{fcfs['sim_mean_s'] / m['sim_mean_s']:.2f}x | {fcfs['p90_e2el_ms'] / m['p90_e2el_ms']:.2f}x | "
+                f"{fcfs['sim_p90_s'] / m['sim_p90_s']:.2f}x | {m['preemptions']:.0f} | {m['failed']:.0f} | "
+                f"{m['proxy_fallbacks']:.0f} |"
+            )
+    return lines
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1 (refused before any server starts)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="scripts/bench_rank_proxy.py", description=__doc__)
+    p.add_argument("model", type=existing_path, help="served model directory")
+    p.add_argument("ranker", type=existing_path, help="ngram ranker directory (`ranking train --kind ngram`)")
+    p.add_argument("dataset", type=existing_path, help="ShareGPT JSON of held-out pairs (`ranking labels --sharegpt-json`)")  # fmt: skip
+    p.add_argument("--num-prompts", type=_positive, default=100)
+    p.add_argument("--rates", type=bs.rate_list, default=["inf", "0.5x", "1x", "1.5x", "2x"],
+                   help="requests/s, inf (a burst) or multiples of FCFS's burst rate like 1.5x (default inf,0.5x,1x,1.5x,2x)")  # fmt: skip
+    p.add_argument("--repeats", type=_positive, default=1)
+    p.add_argument("--seed", type=int, default=0, help="the client's sampling and arrivals; + repeat")
+    p.add_argument("--kv-cache-mib", type=_positive, default=160, help="small, so that requests queue")
+    p.add_argument("--max-num-seqs", type=_positive, default=16)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    p.add_argument("--dtype", default="float32", help="float32 (this CPU has no bf16 units)")
+    p.add_argument("--cost-model", type=existing_path, help="simulator cost model JSON (default: measure this server)")  # fmt: skip
+    p.add_argument("--core-python", type=Path, default=ROOT / ".venv" / "bin" / "python",
+                   help="python of the core venv, which runs the proxies (default: .venv/bin/python here)")  # fmt: skip
+    p.add_argument(
+        "--smoke", action="store_true", help="6 requests of 8 tokens, one burst, a short calibration"
+    )
+    add_out(p)
+    return p
+
+
+def _command(args) -> str:
+    if args.smoke:
+        vars(args).update(SMOKE)
+    if not args.core_python.is_file():
+        raise UsageError(
+            f"{args.core_python} not found (to resolve, pass --core-python CORE_VENV/bin/python)"
+        )
+    if any(r.endswith("x") for r in args.rates) and "inf" not in args.rates:
+        raise UsageError("rates like 1.5x are multiples of the burst's rate (to resolve, add inf to --rates)")
+    # `timeout` and kill: unwind, stopping the server and the proxies
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work = Path(tempfile.mkdtemp(prefix="rank-proxy-", dir="/tmp"))  # vLLM's ipc sockets: a short path
+    try:
+        result = measure(args, work)
+    except BaseException:
+        print(f"server, proxy and client logs kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    lines = table(args, result["runs"])
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "load_average": os.getloadavg(),
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **result["meta"]}  # fmt: skip
+    bs.write_json(args.out, {"meta": meta, "runs": result["runs"], "table": lines})
+    return "\n".join(lines) + f"\nwrote {args.out}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(_command, build_parser(), argv)
 
 
 if __name__ == "__main__":

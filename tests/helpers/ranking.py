@@ -54,12 +54,12 @@ def save_word_tokenizer(path: Path) -> Path:
     return path
 
 
-def write_sharegpt(path: Path) -> Path:
+def write_sharegpt(path: Path, seed: int = 0) -> Path:
     """A ShareGPT file of 400 ``synthetic_pairs`` and a row at each edge of the length recorder's filters: a
     duplicate prompt, a tiny prompt or reply, a prompt or a total past the length limit, a single turn."""
     rows = [
         {"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": r}]}
-        for i, (p, r) in enumerate(synthetic_pairs(400))
+        for i, (p, r) in enumerate(synthetic_pairs(400, seed))
     ]
     rows += [
         {

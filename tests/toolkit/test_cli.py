@@ -48,6 +48,7 @@ CASES = [
     ("eval.serving.ranking.cli", ["evaluate", MISSING, MISSING, "--out", OUT]),
     ("eval.serving.ranking.cli", ["calibrate", MISSING, "--out", OUT]),
     ("eval.serving.ranking.cli", ["simulate", MISSING, MISSING, "--out", OUT]),
+    ("eval.serving.ranking.cli", ["proxy-overhead", MISSING]),
     *[
         ("eval.serving.certaindex.cli", [cmd, MISSING, "--data", "arith:2", "--out", OUT])
         for cmd in ("cot", "sc", "calibrate")
@@ -62,6 +63,7 @@ SCRIPTS = [
     ("bench_kvcompress.py", [MISSING, MISSING, "--out", OUT]),
     ("bench_prefill.py", [MISSING, "--out", OUT]),
     ("bench_ranking.py", [MISSING, "--out", OUT]),
+    ("bench_rank_proxy.py", [MISSING, MISSING, MISSING, "--out", OUT]),
     ("bench_suffix.py", [MISSING, "--out", OUT]),
     ("bench_vllm.py", [MISSING, MISSING, "--out", OUT]),
     ("bench_certaindex.py", [MISSING, "--out", OUT]),

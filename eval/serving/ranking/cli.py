@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from typing import Literal, get_args, get_origin
 
 from toolkit.cliargs import (
     ArgumentParser,
+    UsageError,
     add_checkpoint,
     add_dtype,
     add_force,
@@ -18,6 +20,7 @@ from toolkit.cliargs import (
     command_parser,
     existing_path,
     float_list,
+    int_list,
     run,
 )
 
@@ -26,11 +29,13 @@ EPILOG = """examples:
   swiftkv ranking labels MODEL --out out/sharegpt-lengths                      # recorded ShareGPT reply lengths
   swiftkv ranking train out/sharegpt-lengths --out out/ranker-ngram --kind ngram  # cheap, for the proxy
   swiftkv ranking proxy out/ranker-ngram --upstream http://127.0.0.1:8000 --port 8100
+  swiftkv ranking proxy-overhead out/ranker-ngram --prompt-tokens 1000             # ms added per request
   swiftkv ranking train out/traces --out out/ranker --kind swiftkv-head       # x_{L//2} of the traces' model
   swiftkv ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
   swiftkv ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
   swiftkv ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
-  swiftkv ranking calibrate MODEL --out out/cost.json                              # measured step times
+  swiftkv ranking calibrate MODEL --out out/cost.json                              # transformers step times
+  swiftkv ranking calibrate --server http://127.0.0.1:8000 --out out/cost-vllm.json  # a vLLM server's
   swiftkv ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
 """
 
@@ -87,6 +92,14 @@ def build_parser() -> ArgumentParser:
         "--oracle", action="store_true", help="benchmarks only: priority = the request's max_tokens"
     )
 
+    p = sub.add_parser(
+        "proxy-overhead", help="wall-clock ms the proxy adds per request (HTTP relay included, fake upstream)"
+    )
+    add_model(p, "ranker", help="ngram ranker directory")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=1000)
+    p.add_argument("--repeats", type=_positive_int, default=300, help="requests each way")
+    add_out(p, help="also write the result as JSON", required=False)
+
     p = sub.add_parser("train", help="train a ranker on the training split and export it")
     add_model(p, "traces", help="traces directory or JSONL with `prompt` and `output_len`")
     add_out(p, help="ranker directory (complete or absent)")
@@ -106,15 +119,34 @@ def build_parser() -> ArgumentParser:
     add_model(p, "ranker", help="ranker directory (from `train`)")
     add_model(p, "traces", help="traces directory or JSONL")
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
-    add_out(p, help="also write the result as JSON", required=False)
+    add_out(p, help="also write the result as JSON (the table's numbers and more)", required=False)
 
     p = sub.add_parser(
-        "calibrate", help="fit the simulator's cost model to measured prefill/decode step times"
+        "calibrate",
+        help="fit the simulator's cost model to step times: transformers forwards of MODEL, or a vLLM --server",
     )
-    add_checkpoint(p)
+    add_checkpoint(p, nargs="?", help="model to time in transformers (or pass --server instead)")
     add_out(p, help="cost-model JSON to write")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=_positive_int, default=3)
     add_dtype(p, "float32", TORCH_DTYPES)
+    server = p.add_argument_group("a running vLLM server (timed requests through its OpenAI API)")
+    server.add_argument("--server", help="its URL, e.g. http://127.0.0.1:8000")
+    server.add_argument(
+        "--served-model", help="the model name requests carry (default: the only one it lists)"
+    )
+    server.add_argument(
+        "--batches",
+        type=int_list,
+        default=[1, 4, 8, 16],
+        help="decoding sequences per step (<= --max-num-seqs)",
+    )
+    server.add_argument(
+        "--prompt-lens",
+        type=int_list,
+        default=[64, 256, 512, 1024],
+        help="prefill tokens (<= --max-num-batched-tokens)",
+    )
+    server.add_argument("--decode-tokens", type=_positive_int, default=48, help="tokens per decoding request")
 
     p = sub.add_parser("simulate", help="latency/throughput of FCFS, LTR-SJF and oracle SJF at Poisson rates")
     add_model(p, "ranker", help="ranker directory (from `train`)")
@@ -138,6 +170,17 @@ def build_parser() -> ArgumentParser:
     add_seed(p)
     add_out(p, help="also write the results as JSON", required=False)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (checked before any work)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _names(text: str) -> list[str]:
@@ -177,28 +220,59 @@ def _command(args) -> str | None:
 
         serve(args.ranker, args.upstream, args.host, args.port, args.scale, args.oracle)
         return None
+    if args.command == "proxy-overhead":
+        from .proxy import overhead_ms
+
+        result = overhead_ms(args.ranker, args.prompt_tokens, args.repeats)
+        if args.out:
+            write_json_atomic(args.out, result)
+        return json.dumps(result, indent=2)
     if args.command == "train":
         from .train import TrainConfig, train_ranker
 
         options = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and v is not None}
         return str(train_ranker(args.traces, args.out, TrainConfig(**options), force=args.force))
     if args.command == "evaluate":
-        from .train import evaluate_ranker
+        from .train import evaluate_ranker, evaluation_table
 
         result = evaluate_ranker(args.ranker, args.traces, args.split)
         if args.out:
             write_json_atomic(args.out, result)
-        return json.dumps(result, indent=2)
+        return evaluation_table(result) + (f"\nwrote {args.out}" if args.out else "")
     if args.command == "calibrate":
-        from dataclasses import asdict
+        return _calibrate(args)
+    return _simulate(args)
 
+
+def _calibrate(args) -> str:
+    """Cost model from transformers forwards of MODEL or from a running server's streams (exactly one)."""
+    from dataclasses import asdict
+
+    from toolkit.artifacts import write_json_atomic
+    from toolkit.checkpoint import open_checkpoint
+
+    if (args.model is None) == (args.server is None):
+        raise UsageError("calibrate times either MODEL or a --server (to resolve, pass exactly one)")
+    if args.server is None:
         from .simulator import calibrate_cost_model
 
         model = open_checkpoint(args.model, tokenizer=False, model_types=None).path  # times forwards only
-        cost = calibrate_cost_model(model, args.repeats, args.dtype)
-        write_json_atomic(args.out, {**asdict(cost), "model": str(args.model)})
-        return json.dumps(asdict(cost))
-    return _simulate(args)
+        cost = asdict(calibrate_cost_model(model, args.repeats, args.dtype))
+        write_json_atomic(args.out, {**cost, "model": str(args.model)})
+        return json.dumps(cost)
+    from .server_calibration import Endpoint, calibrate_server
+
+    Endpoint.parse(args.server)  # a malformed URL is refused before any request
+    result = calibrate_server(
+        args.server,
+        args.served_model,
+        tuple(args.batches),
+        tuple(args.prompt_lens),
+        args.decode_tokens,
+        args.repeats,
+    )
+    write_json_atomic(args.out, result)
+    return json.dumps({k: result[k] for k in ("base", "prefill_token", "decode_token", "request_overhead_s")})
 
 
 def main(argv: list[str] | None = None) -> int:

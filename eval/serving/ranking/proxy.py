@@ -21,6 +21,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -92,6 +94,7 @@ class Prioritizer:
                     "(to resolve, train one with --kind ngram)"
                 )
             self.ranker = ranker
+            self.encode = _encoder(ranker.tokenizer)
             self.fallback = self._priority(-ranker.ngram.bias)
         except Exception as err:  # the proxy still serves, in FCFS order
             log.error(
@@ -109,14 +112,11 @@ class Prioritizer:
             return self.fallback
         try:
             prompt = prompt_of(path, body)
-            with self._lock:  # one tokenizer, shared by the handler threads
-                if isinstance(prompt, str):
-                    score = self.ranker.score([prompt])[0]
-                else:
-                    score = self.ranker.score_ids([prompt])[0]
-            return self._priority(float(score))
+            ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+            return self._priority(float(self.ranker.score_ids([ids])[0]))
         except Exception as err:
-            self.failures += 1
+            with self._lock:
+                self.failures += 1
             log.warning(
                 "ranker failed on a request to %s (%s: %s); FCFS priority", path, type(err).__name__, err
             )
@@ -129,13 +129,38 @@ class Prioritizer:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
-            self.failures += 1
+            with self._lock:
+                self.failures += 1
             log.warning("request body to %s is not JSON (%s); forwarded as is", path, err)
             return raw
         if not isinstance(body, dict) or "priority" in body:
             return raw  # the client's own priority wins
         body["priority"] = self.priority(path, body)
         return json.dumps(body).encode()
+
+
+def _encoder(tokenizer):
+    """``text -> tokenizer(text).input_ids`` that handler threads may call at once, without a lock.
+
+    The transformers wrapper sets the backend's truncation and padding on every call, so concurrent calls
+    race and would need a lock (a 1k-token prompt holds it ~1 ms, so a burst of requests queued behind it).
+    A private copy of the Rust backend with truncation and padding off encodes the same ids (special tokens
+    included) and is safe to share; a tokenizer without a Rust backend keeps the locked wrapper."""
+    import copy
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        lock = threading.Lock()
+
+        def locked(text: str) -> list[int]:
+            with lock:
+                return tokenizer(text).input_ids
+
+        return locked
+    backend = copy.deepcopy(backend)
+    backend.no_truncation()
+    backend.no_padding()
+    return lambda text: backend.encode(text).ids
 
 
 def make_handler(prioritizer: Prioritizer, upstream: str):
@@ -148,6 +173,7 @@ def make_handler(prioritizer: Prioritizer, upstream: str):
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # else a small last write waits ~40 ms for the client's delayed ACK
 
         def log_message(self, format, *args):  # access log at debug level, not on stderr
             log.debug("%s " + format, self.address_string(), *args)
@@ -164,6 +190,8 @@ def make_handler(prioritizer: Prioritizer, upstream: str):
             headers["Content-Length"] = str(len(raw))
             conn = http.client.HTTPConnection(host, port, timeout=3600)
             try:
+                conn.connect()
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.request(
                     self.command, base + self.path, body=raw if raw or length else None, headers=headers
                 )
@@ -243,25 +271,90 @@ def serve(
         server.server_close()
 
 
-def overhead_ms(ranker_dir, prompt_tokens: int = 1000, repeats: int = 200) -> dict:
-    """CPU milliseconds the proxy spends per request on ranking (parse, tokenize, score, re-serialize) for a
-    ``/v1/completions`` body of about ``prompt_tokens`` tokens: median and p90 of ``repeats``."""
+class _InstantUpstream(BaseHTTPRequestHandler):
+    """vLLM's stand-in for :func:`overhead_ms`: answers every POST at once with a chunked two-event SSE stream,
+    one write per event as a streamed completion arrives, Nagle off as vLLM's uvicorn has it."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, format, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in (b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def _percentiles(name: str, values: list[float]) -> dict[str, float]:
+    return {f"{name}_p50": float(np.median(values)), f"{name}_p90": float(np.percentile(values, 90))}
+
+
+def overhead_ms(ranker_dir, prompt_tokens: int = 1000, repeats: int = 300, warmup: int = 20) -> dict:
+    """Wall-clock milliseconds the proxy adds to one streamed ``/v1/completions`` request of about
+    ``prompt_tokens`` tokens, HTTP relay included, p50 and p90 over ``repeats`` requests.
+
+    The same body goes alternately straight to an instant fake upstream and through a proxy in front of it
+    (loopback, keep-alive client connections, one request at a time, ``warmup`` pairs dropped); a pair's
+    overhead is proxied minus direct time, so a slow spell of a shared machine hits both.  Client, proxy and
+    upstream share this interpreter, which makes it an upper bound for a proxy in its own process.  Beside
+    it: the CPU time the proxy adds (process CPU, proxied minus direct; wall minus CPU is time spent waiting
+    for a core or the GIL) and the thread CPU time of ``rewrite`` alone (parse, tokenize, score, serialize)."""
     prioritizer = Prioritizer(ranker_dir)
     if prioritizer.ranker is None:
         raise ValueError(f"no ngram ranker loaded from {ranker_dir}; to resolve, train one with --kind ngram")
-    tokenizer = prioritizer.ranker.tokenizer
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _InstantUpstream)
+    upstream.daemon_threads = True
+    proxy = ProxyServer(
+        ("127.0.0.1", 0), make_handler(prioritizer, f"http://127.0.0.1:{upstream.server_address[1]}")
+    )
     words = "please explain how the scheduler orders requests by predicted reply length in detail".split()
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(prompt_tokens))
-    ids = tokenizer(text).input_ids[:prompt_tokens]
-    text = tokenizer.decode(ids)
+    text = prioritizer.ranker.tokenizer.decode(prioritizer.encode(text)[:prompt_tokens])
     raw = json.dumps({"model": "m", "prompt": text, "max_tokens": 128, "stream": True}).encode()
-    times = []
+    servers = [upstream, proxy]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    clients = [http.client.HTTPConnection(*server.server_address[:2], timeout=60) for server in servers]
+
+    def timed(conn: http.client.HTTPConnection) -> tuple[float, float]:
+        """Wall-clock and process CPU ms of one request (every thread of this process works on it alone)."""
+        start, cpu = time.perf_counter(), time.process_time()
+        conn.request("POST", "/v1/completions", body=raw, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = response.read()
+        if response.status != 200 or not body.endswith(b"data: [DONE]\n\n"):
+            raise RuntimeError(f"the relay answered {response.status} {body[:200]!r}")
+        return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
+
+    try:
+        pairs = [(timed(clients[0]), timed(clients[1])) for _ in range(warmup + repeats)][warmup:]
+    finally:
+        for conn in clients:
+            conn.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    cpu = []
     for _ in range(repeats):
         start = time.thread_time()
         prioritizer.rewrite("/v1/completions", raw)
-        times.append((time.thread_time() - start) * 1e3)
+        cpu.append((time.thread_time() - start) * 1e3)
+    (direct, direct_cpu), (proxied, proxied_cpu) = (np.array(x).T for x in zip(*pairs, strict=True))
     return {
-        "prompt_tokens": len(tokenizer(text).input_ids),
-        "cpu_ms_p50": float(np.median(times)),
-        "cpu_ms_p90": float(np.percentile(times, 90)),
+        "prompt_tokens": len(prioritizer.encode(text)),
+        "repeats": repeats,
+        **_percentiles("overhead_ms", list(proxied - direct)),
+        **_percentiles("overhead_cpu_ms", list(proxied_cpu - direct_cpu)),
+        **_percentiles("direct_ms", list(direct)),
+        **_percentiles("proxied_ms", list(proxied)),
+        **_percentiles("rewrite_cpu_ms", cpu),
+        "failures": prioritizer.failures,
+        "load_average_1min": os.getloadavg()[0],
     }

@@ -48,10 +48,13 @@ class CostModel:
         return self.base + self.prefill_token * prefill_tokens + self.decode_token * decode_tokens
 
     @classmethod
+    def from_dict(cls, fields: dict) -> CostModel:
+        """The model's own fields of a cost-model JSON (calibrations record more beside them)."""
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> CostModel:
-        return cls(
-            **{k: v for k, v in json.loads(Path(path).read_text()).items() if k in cls.__dataclass_fields__}
-        )
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 @dataclass(frozen=True)

@@ -81,13 +81,16 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 def split_traces(
     traces: list[Trace], held_out: float = 0.2, seed: int = 0
 ) -> tuple[list[Trace], list[Trace]]:
-    """A deterministic shuffle split into (train, held-out); every stage uses the same one."""
+    """A deterministic shuffle split into (train, held-out); every stage uses the same one.
+
+    ``held_out=0`` trains on every trace (the held-out part is empty): for a ranker that is evaluated on
+    other traces, e.g. trained on ShareGPT's train records and scored on its held-out records."""
     import numpy as np
 
-    if not 0.0 < held_out < 1.0:
-        raise ValueError(f"held_out={held_out} must be in (0, 1); to resolve, pass e.g. 0.2")
+    if not 0.0 <= held_out < 1.0:
+        raise ValueError(f"held_out={held_out} must be in [0, 1); to resolve, pass e.g. 0.2")
     order = np.random.default_rng(seed).permutation(len(traces))
-    n_test = max(1, round(len(traces) * held_out))
+    n_test = max(1, round(len(traces) * held_out)) if held_out else 0
     return [traces[i] for i in order[n_test:]], [traces[i] for i in order[:n_test]]
 
 

@@ -69,7 +69,7 @@ class TrainConfig(BaseModel):
     alpha: float = Field(0.5, gt=0, description="ridge penalty of the ngram kind")
     ngram_bits: int = Field(20, ge=8, le=24, description="ngram kind: 2**bits hashed slots")
     ngram_edge: int = Field(16, ge=0, description="ngram kind: also tag n-grams of the first/last N tokens")
-    held_out: float = Field(0.2, gt=0, lt=1)
+    held_out: float = Field(0.2, ge=0, lt=1, description="0 = train on all; evaluate others with --split all")
     batch_size: int = Field(8, ge=1, description="forward micro-batch inside a list")
     seed: int = 0
 
@@ -265,6 +265,11 @@ def held_out_traces(
     if split == "all":
         return traces
     info = json.loads((Path(ranker_dir) / TRAIN_FILE).read_text())
+    if not info["config"]["held_out"]:
+        raise ValueError(
+            f"ranker {ranker_dir} was trained on every trace (--held-out 0), so it has no held-out split; "
+            "to resolve, pass traces it was not trained on with --split all"
+        )
     if info.get("traces_sha256") != sha256_file(traces_file(traces_path)):
         log.info(
             "traces differ from the training traces; the split is still the recorded seed's held-out part"
@@ -291,8 +296,8 @@ def evaluate_ranker(
 
     The oracle is tie-free (as any real predictor is), so its tau is below 1 when many replies hit the cap.
     """
-    ranker = load_ranker(ranker_dir, traces_path, target_model)
     traces = held_out_traces(ranker_dir, traces_path, split)
+    ranker = load_ranker(ranker_dir, traces_path, target_model)
     labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
     scores = ranker.score([t.prompt for t in traces], progress=True)
     raw = [-t.output_len for t in traces]  # unbinned, uncapped: higher = shorter
@@ -306,15 +311,44 @@ def evaluate_ranker(
         "ranker": str(ranker_dir),
         "kind": ranker.spec.kind,
         "objective": ranker.spec.objective,
+        "traces": str(traces_path),
+        "split": split,
+        "n_train": info.get("n_train"),
         "n": len(traces),
+        "label_cap": ranker.spec.label_cap,
+        "label_bin": ranker.spec.label_bin,
         "kendall_tau": kendall_tau(scores, labels),
         "kendall_tau_raw": kendall_tau(scores, raw),
         "prompt_len_tau": kendall_tau([-t.prompt_len for t in traces], labels),
         "prompt_len_tau_raw": kendall_tau([-t.prompt_len for t in traces], raw),
         **baseline,
         "tie_free_oracle_tau": tau_ceiling(labels),
+        "tie_free_oracle_tau_raw": tau_ceiling(raw),
         "capped_fraction": float(np.mean([t.output_len >= ranker.spec.label_cap for t in traces])),
     }
+
+
+def evaluation_table(result: dict) -> str:
+    """The taus of :func:`evaluate_ranker` as a markdown table: the ranker beside the two baselines it must
+    beat (shortest prompt first; the one-feature regression on prompt length) and the tie-free ceiling,
+    against the raw reply lengths and against the capped, binned training labels."""
+    rows = [
+        (f"ranker ({result['kind']}, {result['objective']})", "kendall_tau"),
+        ("shortest prompt first", "prompt_len_tau"),
+        ("one-feature regression on prompt length", "one_feature_tau"),
+        ("tie-free oracle (ceiling)", "tie_free_oracle_tau"),
+    ]
+    lines = [
+        f"{result['traces']} ({result['split']}): {result['n']} prompts; ranker trained on "
+        f"{result['n_train']}; {result['capped_fraction']:.1%} of replies at the label cap",
+        "",
+        f"| predictor | Kendall's τ, raw lengths | τ, labels (cap {result['label_cap']}, bin {result['label_bin']}) |",
+        "|---|---|---|",
+    ]
+    for name, key in rows:
+        if key in result:  # rankers trained before the one-feature baseline existed lack it
+            lines.append(f"| {name} | {result[key + '_raw']:.3f} | {result[key]:.3f} |")
+    return "\n".join(lines)
 
 
 def _prompt_len(trace: Trace) -> int:

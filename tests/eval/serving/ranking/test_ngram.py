@@ -126,5 +126,32 @@ def test_cli_labels_train_evaluate(sharegpt_file, tokenizer_dir, tmp_path, capsy
         == 0
     )
     capsys.readouterr()
-    assert main(["evaluate", str(tmp_path / "r"), str(tmp_path / "l")]) == 0
-    assert json.loads(capsys.readouterr().out)["kendall_tau_raw"] > 0.5
+    assert (
+        main(["evaluate", str(tmp_path / "r"), str(tmp_path / "l"), "--out", str(tmp_path / "e.json")]) == 0
+    )
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["kendall_tau_raw"] > 0.5 and result["n"] == 80 and result["n_train"] == 320
+    table = capsys.readouterr().out
+    for name, key in [("ranker (ngram", "kendall_tau"), ("shortest prompt", "prompt_len_tau"),
+                      ("one-feature", "one_feature_tau")]:  # fmt: skip
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name}"))
+        assert row.split("|")[2:4] == [f" {result[key + '_raw']:.3f} ", f" {result[key]:.3f} "]
+
+
+def test_train_on_every_trace_then_evaluate_others(sharegpt_file, tokenizer_dir, tmp_path, capsys):
+    """--held-out 0 trains on all traces (ShareGPT's train records); evaluate then scores other traces with
+    --split all and refuses, in one line, the held-out split it does not have."""
+    from helpers.ranking import write_sharegpt
+
+    traces = tmp_path / "lengths"
+    sharegpt_lengths(tokenizer_dir, traces, data=sharegpt_file, records="all")
+    other = write_sharegpt(tmp_path / "other.jsonl", seed=1)
+    sharegpt_lengths(tokenizer_dir, tmp_path / "other", data=other, records="all")
+    config = TrainConfig(kind="ngram", ngram_bits=14, ngram_edge=4, held_out=0)
+    ranker = train_ranker(traces, tmp_path / "ranker", config)
+    assert json.loads((ranker / "train.json").read_text())["n_train"] == 400
+    result = evaluate_ranker(ranker, tmp_path / "other", split="all")
+    assert result["n"] == 400 and result["kendall_tau_raw"] > result["one_feature_tau_raw"]
+    assert main(["evaluate", str(ranker), str(traces)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ranker") and "--split all" in err and len(err.splitlines()) == 1

@@ -1,0 +1,130 @@
+"""``scripts/bench_rank_proxy.py``: refusals in one line before any server starts; the simulator beside each run
+with the arm's own policy; the table's ratios; and (slow) the whole measurement in smoke mode on vLLM's CPU server
+with a tiny checkpoint, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+from helpers.models import tiny_base
+
+SCRIPT = ROOT / "scripts" / "bench_rank_proxy.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_rank_proxy as brp  # noqa: E402
+
+
+def script(python: Path | str, *argv: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    return subprocess.run(
+        [str(python), str(SCRIPT), *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--core-python", "/nonexistent/python"], "pass --core-python"),
+        (["--rates", "1.5x"], "add inf to --rates"),
+        (["--num-prompts", "0"], "not a positive integer"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(tmp_path, extra, message):
+    out = tmp_path / "x.json"
+    argv = (
+        str(tmp_path),
+        str(tmp_path),
+        str(SCRIPT),
+        "--core-python",
+        sys.executable,
+        *extra,
+        "--out",
+        str(out),
+    )
+    run = script(sys.executable, *argv, tmp=tmp_path)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: ") and message in run.stderr and not out.exists()
+
+
+def test_each_arm_is_simulated_with_its_own_policy():
+    """A burst of one long request first and four short ones: FCFS serves the long one first, the ranker (whose
+    scores here say the opposite of the truth) last-first, the oracle shortest first."""
+    from eval.serving.ranking.simulator import CostModel, SimConfig
+
+    requests = [types.SimpleNamespace(prompt_len=10, expected_output_len=n) for n in (200, 5, 5, 5, 5)]
+    wrong_scores = [1.0, -1.0, -1.0, -1.0, -1.0]  # higher = shorter: the long one ranked shortest
+    config = SimConfig(token_budget=64, max_batch=1, starvation_threshold=10**9, quantum=1)
+    sims = {
+        arm: brp.simulated(
+            {"arm": arm, "start_times": [5.0] * 5}, requests, wrong_scores, CostModel(), config
+        )
+        for arm in brp.ARMS
+    }
+    assert (
+        sims["oracle"]["sim_mean_s"]
+        < sims["fcfs"]["sim_mean_s"]
+        == pytest.approx(sims["ranker"]["sim_mean_s"])
+    )
+    assert sims["oracle"]["sim_p50_s"] < sims["oracle"]["sim_p90_s"]
+
+
+def test_table_ratios_are_fcfs_over_arm():
+    runs = [
+        {"arm": arm, "rate": "inf", "mean_e2el_ms": mean * 1e3, "p50_e2el_ms": 1e3, "p90_e2el_ms": p90 * 1e3,
+         "sim_mean_s": sim, "sim_p90_s": sim, "preemptions": 3.0, "failed": 0, "proxy_fallbacks": 0}
+        for arm, mean, p90, sim in (("fcfs", 20, 40, 10), ("ranker", 10, 40, 8), ("oracle", 8, 50, 5))
+    ]  # fmt: skip
+    lines = brp.table(types.SimpleNamespace(rates=["inf"]), runs)
+    ranker = next(line for line in lines if "| ranker |" in line).split("|")
+    oracle = next(line for line in lines if "| oracle |" in line).split("|")
+    assert [c.strip() for c in ranker[6:10]] == ["2.00x", "1.25x", "1.00x", "1.25x"]
+    assert [c.strip() for c in oracle[6:10]] == ["2.50x", "2.00x", "0.80x", "2.00x"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.smollm2
+def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
+    """A tiny checkpoint with SmolLM2's tokenizer served with --scheduling-policy priority; the ngram ranker of
+    recorded lengths in the proxy; every arm completes its requests, the calibration and the simulator run."""
+    from transformers import AutoTokenizer
+
+    from eval.serving.ranking.labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+    from eval.serving.ranking.train import TrainConfig, train_ranker
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    model = tmp_path / "tiny"
+    # head_dim 32: vLLM's CPU attention supports head sizes >= 32; ShareGPT pairs reach the script's 2,048 tokens
+    shape = dict(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
+    tiny_base("llama", **shape, vocab_size=len(tokenizer)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    sharegpt_lengths(smollm2, tmp_path / "lengths", records="train", limit=300)
+    ranker = train_ranker(tmp_path / "lengths", tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=16))
+    dataset = write_sharegpt_json(first_pairs("sharegpt", "heldout")[:200], tmp_path / "heldout.json")
+    out = tmp_path / "result.json"
+    argv = (
+        str(model),
+        str(ranker),
+        str(dataset),
+        "--smoke",
+        "--core-python",
+        sys.executable,
+        "--out",
+        str(out),
+    )
+    run = script(vllm_python, *argv, tmp=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["arm"] for r in result["runs"]] == list(brp.ARMS)
+    for r in result["runs"]:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_lens"] == [brp.SMOKE_OUTPUT_LEN] * 6
+        assert r["proxy_fallbacks"] == 0 and r["sim_mean_s"] > 0
+    cost = result["meta"]["cost_model"]
+    assert cost["source"] == "vllm-server" and cost["base"] > 0 and result["meta"]["kv_tokens"] > 0
+    assert len(result["table"]) == 2 + 3 and "--scheduling-policy" in result["meta"]["engine"]
