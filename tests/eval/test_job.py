@@ -26,7 +26,11 @@ from distill.recipe import SHIPPED_RECIPES
 from eval.cli import main
 from eval.job import DEFAULT_RECIPE, QUICK
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# offline, and without PYTHONPATH: the installed package must run on its own files
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # what `pip install .` needs from the checkout (the tests, docs and scripts are not part of the package)
 NOT_PACKAGED = (
     ".git",
