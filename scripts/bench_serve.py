@@ -916,9 +916,6 @@ def _command(args) -> str:
         return args.func(args)
     # servers' logs, their caches and sockets, the client's log and datasets: kept only when the run fails
     args.work = Path(tempfile.mkdtemp(prefix=f"bench-serve-{args.command}-"))
-    if len(str(args.work)) > 60:  # vLLM's ipc sockets go here, and a socket path holds at most 107 characters
-        args.work.rmdir()
-        args.work = Path(tempfile.mkdtemp(prefix=f"bench-serve-{args.command}-", dir="/tmp"))
     try:
         text = args.func(args)
     except BaseException:

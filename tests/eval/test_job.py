@@ -91,6 +91,7 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
         capture_output=True,
         text=True,
         cwd=elsewhere,
+        env=ENV,
     )
     module, recipes = where.stdout.split()
     assert module.startswith(str(tmp_path / "venv")) and Path(recipes, "swiftkv_smollm2_cpu.yaml").is_file()

