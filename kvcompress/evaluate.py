@@ -80,8 +80,9 @@ def parse_tiers(spec: str) -> list[Tier]:
 def kv_bytes(cache, exact_element_bytes: int | None = None) -> int:
     """Bytes of every tensor a cache's layers hold (storages, so views count in full); factors excluded.
 
-    ``exact_element_bytes`` (TALE only): count its exact K/V at that size, e.g. 2 to report the memory of a
-    16-bit model from a float32 run (the compressed tiers do not depend on the model dtype)."""
+    ``exact_element_bytes``: count the K/V a cache holds in the model dtype (TALE's exact part, all of a
+    ``DynamicCache``) at that size, e.g. 2 to report the memory of a 16-bit model from a float32 run; the
+    compressed tiers and fp8 codes do not depend on the model dtype."""
     if isinstance(cache, TaleCache):
         return cache.nbytes(exact_element_bytes)
     storages = {}
@@ -89,7 +90,14 @@ def kv_bytes(cache, exact_element_bytes: int | None = None) -> int:
         for value in vars(layer).values():
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.numel():
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    size = t.untyped_storage().nbytes()
+                    if (
+                        exact_element_bytes
+                        and t.is_floating_point()
+                        and t.element_size() > exact_element_bytes
+                    ):
+                        size = size // t.element_size() * exact_element_bytes
+                    storages[t.untyped_storage().data_ptr()] = size
     return sum(storages.values())
 
 

@@ -225,6 +225,19 @@ def test_shared_prefill_leaves_each_cache_as_its_own_prefill(model_and_factors):
         enable_tale(model)
 
 
+def test_a_float32_full_cache_counts_as_fp16_when_asked():
+    """The quality table reports memory as a 16-bit model holds it, from float32 runs too: the full cache
+    is then exactly the fp16 reference (1x), not half of it."""
+    from kvcompress.evaluate import fp16_kv_bytes, kv_bytes
+
+    config = tiny_config()
+    cache = DynamicCache(config=config)
+    for i in range(config.num_hidden_layers):
+        cache.update(torch.randn(1, 2, 30, HEAD_DIM), torch.randn(1, 2, 30, HEAD_DIM), i)
+    assert kv_bytes(cache, exact_element_bytes=2) == fp16_kv_bytes(config, 30)
+    assert kv_bytes(cache) == 2 * fp16_kv_bytes(config, 30)
+
+
 @torch.no_grad()
 def test_most_significant_tokens_get_the_top_tier(model_and_factors):
     model, factors = model_and_factors
