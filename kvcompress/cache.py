@@ -121,6 +121,16 @@ class TaleLayer(CacheLayerMixin):
         keys.tale_layer = self
         return keys, self.exact_v
 
+    def append_unobserved(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append exact K/V that no query row has attended to, e.g. a prefill computed with another cache
+        (``kvcompress.evaluate.SharedPrefill``).
+
+        No attention pass follows, so nothing is observed or compressed: like a SwiftKV prompt, these tokens
+        stay exact until ``min(Policy.observe, window + 1)`` rows of later passes have seen them.
+        """
+        self.update(key_states, value_states)
+        self.unread = 0
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 

@@ -1,9 +1,10 @@
 """Quality, memory and latency measurements of KV caches on one model (used by the benchmark script).
 
-Quality protocol: a held-out text is split into a ``prefix`` (prefilled in one pass, then compressed) and
-a ``continuation`` fed in chunks of ``chunk`` tokens (so the window keeps rolling and later chunks see
-compressed history, as in decoding).  Perplexity, KL(full ‖ method) and top-1 agreement are computed on the
-continuation tokens only, against the uncompressed model's logits of the same run.
+Quality protocol (``quality``): a held-out text is split into a ``prefix`` (prefilled in one pass, then
+compressed) and a ``continuation`` fed in chunks of ``chunk`` tokens (so the window keeps rolling and later
+chunks see compressed history, as in decoding).  Perplexity, KL(full ‖ method) and top-1 agreement are
+computed on the continuation tokens only, against the uncompressed model's logits of the same run.  Every
+method starts from one shared prefill (``SharedPrefill``), which leaves each cache as its own prefill would.
 
 Methods are named by short specs so the benchmark's table is reproducible from its command line:
 
@@ -19,6 +20,7 @@ Every TALE-family method uses the same sinks/window/block, so the comparison iso
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -26,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import enable_tale
-from .cache import TaleCache
+from .cache import OBSERVED_QUERIES, TaleCache
+from .calibrate import chat_sequences
 from .factors import Factors, identity_factors
 from .policy import Policy, Tier, uniform_policy
 
@@ -77,8 +80,9 @@ def parse_tiers(spec: str) -> list[Tier]:
 def kv_bytes(cache, exact_element_bytes: int | None = None) -> int:
     """Bytes of every tensor a cache's layers hold (storages, so views count in full); factors excluded.
 
-    ``exact_element_bytes`` (TALE only): count its exact K/V at that size, e.g. 2 to report the memory of a
-    16-bit model from a float32 run (the compressed tiers do not depend on the model dtype)."""
+    ``exact_element_bytes``: count the K/V a cache holds in the model dtype (TALE's exact part, all of a
+    ``DynamicCache``) at that size, e.g. 2 to report the memory of a 16-bit model from a float32 run; the
+    compressed tiers and fp8 codes do not depend on the model dtype."""
     if isinstance(cache, TaleCache):
         return cache.nbytes(exact_element_bytes)
     storages = {}
@@ -86,7 +90,14 @@ def kv_bytes(cache, exact_element_bytes: int | None = None) -> int:
         for value in vars(layer).values():
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.numel():
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    size = t.untyped_storage().nbytes()
+                    if (
+                        exact_element_bytes
+                        and t.is_floating_point()
+                        and t.element_size() > exact_element_bytes
+                    ):
+                        size = size // t.element_size() * exact_element_bytes
+                    storages[t.untyped_storage().data_ptr()] = size
     return sum(storages.values())
 
 
@@ -96,13 +107,120 @@ def fp16_kv_bytes(config, tokens: int, batch: int = 1) -> int:
     return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch
 
 
+class SharedPrefill:
+    """One prompt's prefill, computed once, that starts every method's cache as its own prefill would.
+
+    Why: a prefill is the same exact attention whatever cache follows it (TALE compresses only after the
+    pass; transformers' caches, the quantized ones included, attend over the exact states of their first
+    update), and at long contexts it is most of a benchmark's time.  So the prompt runs once, through sdpa's
+    causal kernel into a ``DynamicCache``, and ``start`` hands it to each method's fresh cache:
+
+    - any transformers cache receives all the K/V in one ``update`` per layer, as in its own prefill, and
+      the prefill's logits;
+    - a ``TaleCache`` receives the K/V of all but the last ``OBSERVED_QUERIES`` tokens unobserved
+      (``TaleLayer.append_unobserved``), and those last tokens run through the model with TALE attention:
+      significance then comes from the same last rows as in its own prefill, and compression follows.
+
+    The result equals the method's own prefill up to float rounding (only the kernel that computed the
+    shared K/V differs; ``tests/kvcompress/test_tale.py`` compares).  Holds the prompt's full K/V.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model, ids: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.model, self.ids = model, ids
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")  # the causal kernel: no (n, n) mask at long contexts
+        self.cache = DynamicCache(config=model.config)
+        self.logits = model(ids, cache=self.cache, logits_to_keep=1).logits
+        model.set_attn_implementation(previous)
+
+    @torch.no_grad()
+    def start(self, cache) -> torch.Tensor:
+        """Fill the fresh ``cache`` as prefilling the prompt would (the model set to the cache's attention);
+        returns the logits of the prompt's last position ``(b, 1, vocab)``."""
+        layers = [(i, layer) for i, layer in enumerate(self.cache.layers) if layer.is_initialized]
+        if not isinstance(cache, TaleCache):
+            for i, layer in layers:
+                cache.update(layer.keys, layer.values, i)
+            return self.logits
+        head = self.ids.shape[1] - OBSERVED_QUERIES
+        if head <= 0:
+            return self.model(self.ids, cache=cache, logits_to_keep=1).logits
+        for i, layer in layers:
+            cache.layers[i].append_unobserved(layer.keys[..., :head, :], layer.values[..., :head, :])
+        return self.model(self.ids[:, head:], cache=cache, logits_to_keep=1).logits
+
+
 @torch.no_grad()
-def continuation_logits(model, ids: torch.Tensor, cache, prefix: int, chunk: int) -> torch.Tensor:
-    """Float32 logits predicting ``ids[:, prefix:]``: prefill ``ids[:, :prefix]``, then feed the rest in chunks."""
-    logits = [model(ids[:, :prefix], cache=cache, logits_to_keep=1).logits]
+def continuation_logits(
+    model, ids: torch.Tensor, cache, prefix: int, chunk: int, shared: SharedPrefill | None = None
+) -> torch.Tensor:
+    """Float32 logits predicting ``ids[:, prefix:]``: prefill ``ids[:, :prefix]`` (or start from ``shared``,
+    its prefill), then feed the rest in chunks."""
+    first = shared.start(cache) if shared else model(ids[:, :prefix], cache=cache, logits_to_keep=1).logits
+    logits = [first]
     for i in range(prefix, ids.shape[1] - 1, chunk):
         logits.append(model(ids[:, i : min(i + chunk, ids.shape[1] - 1)], cache=cache).logits)
     return torch.cat(logits, dim=1).float()
+
+
+def quality(
+    model,
+    tokenizer,
+    factors: Factors,
+    methods: list[str],
+    count: int,
+    prefix: int,
+    continuation: int,
+    chunk: int,
+    sinks: int = 4,
+    window: int = 64,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, dict]:
+    """Per method (``methods[0]`` is the reference, normally ``full``), over ``count`` held-out ShareGPT
+    sequences of ``prefix + continuation`` tokens: perplexity and its increase over the reference, KL, top-1
+    agreement, and the KV memory held at the end (median over sequences; exact K/V counted at 16 bits, as a
+    16-bit model holds them) with its ratio to an fp16 cache of the same tokens."""
+    seqs = chat_sequences(tokenizer, prefix + continuation, count, split="heldout")
+    totals = {
+        m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
+        for m in methods
+    }
+    for i, ids in enumerate(seqs):
+        targets, shared, ref = ids[:, prefix:], SharedPrefill(model, ids[:, :prefix]), None
+        for m in methods:
+            cache = make_method(m, model, factors, sinks, window)()
+            start = time.perf_counter()
+            logits = continuation_logits(model, ids, cache, prefix, chunk, shared)
+            totals[m]["seconds"] += time.perf_counter() - start
+            ref = logits if ref is None else ref
+            for k, v in compare(logits, ref, targets).items():
+                totals[m][k] += v
+            totals[m]["bytes"].append(kv_bytes(cache, exact_element_bytes=2))
+            totals[m]["fp16"].append(fp16_kv_bytes(model.config, ids.shape[1] - 1))
+        if progress:
+            progress(f"quality: sequence {i + 1}/{count} done")
+    base = totals[methods[0]]
+    if not base["n"]:
+        raise ValueError(
+            f"no held-out sequence of {prefix + continuation} tokens was read; to resolve, check the data"
+        )
+    base_ppl = torch.tensor(base["nll"] / base["n"]).exp().item()
+    rows = {}
+    for m, t in totals.items():
+        ppl = torch.tensor(t["nll"] / t["n"]).exp().item()
+        rows[m] = {
+            "ppl": ppl,
+            "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
+            "kl": t["kl"] / t["n"],
+            "top1_agree": t["agree"] / t["n"],
+            "kv_bytes": statistics.median(t["bytes"]),
+            "ratio_vs_fp16": statistics.median(f / b for f, b in zip(t["fp16"], t["bytes"], strict=True)),
+            "seconds": t["seconds"],
+        }
+    return rows
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -112,12 +230,6 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> d
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
     agree = (logits.argmax(-1) == ref.argmax(-1)).float()
     return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": float(agree.sum()), "n": targets.numel()}
-
-
-@torch.no_grad()
-def prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Prefill ``ids`` into ``cache``; returns the greedy next token ``(b, 1)`` (the first decode input)."""
-    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
 
 
 @torch.no_grad()

@@ -4,40 +4,45 @@ Quality: each held-out sequence (the held-out split of the embedded ShareGPT, ch
 formatted and joined) is split into --prefix tokens (prefilled, then compressed) and a continuation fed in
 --chunk-token steps; perplexity, KL to the uncompressed model and top-1 agreement are measured on the
 continuation.  Memory: bytes the cache really holds at the end, as a ratio to an fp16 KV cache of the same
-tokens.  Latency: median decode-step time after prefilling --latency-contexts tokens, methods interleaved
-in every repeat, as a ratio to the full cache measured in the same run (every method on --threads torch
-threads; TALE's fused kernels, used when numba is installed (the `fast` extra), run on one).  Attention
-latency: the same, for one layer's cache update + attention over --attention-contexts cached tokens of
-random K/V (the part of a step that differs between caches, timed without a long prefill).
+tokens.  Latency: median whole-model decode-step time after prefilling --latency-contexts tokens (one
+prefill per context, shared by the methods), methods interleaved in every round, as a ratio to the first
+method in the same run (every method on --threads torch threads; TALE's fused kernels, used when numba is
+installed (the `fast` extra), run on one), with the KV memory each cache holds and the process's peak
+memory.  Attention latency: the same, for one layer's cache update + attention over --attention-contexts
+cached tokens of random K/V (the part of a step that differs between caches, timed without a long prefill).
+
+Contexts beyond the model's max_position_embeddings are timed as they are: a default (unscaled) RoPE
+computes its angles for any position, so a step there does the arithmetic of a longer-context model of the
+same shape, but its outputs (the greedy tokens decoded) mean nothing.  The table marks such contexts.
+Memory/quality across policies at one served length: scripts/bench_kvcompress_pareto.py.
 
 examples:
   python scripts/bench_kvcompress.py MODEL out/kv --out out/bench_kv.json
   python scripts/bench_kvcompress.py MODEL out/kv --methods full,tale:0.25,quant:4 \\
       --limit 2 --latency-contexts 2048 --repeats 1
-  python scripts/bench_kvcompress.py MODEL out/kv --limit 0 --latency-contexts "" --latency-methods full,tale:0.25
+  OMP_NUM_THREADS=1 python scripts/bench_kvcompress.py MODEL out/kv --limit 0 --attention-contexts '' \\
+      --latency-contexts 2048,8192,16384 --latency-methods full,hf-fp8,tale:0.25 --dtype float32
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import sys
-import time
 
 import torch
 
-from kvcompress import kernels
+from kvcompress import evaluate, kernels
 from kvcompress.attention import enable_tale
 from kvcompress.calibrate import accumulate, chat_sequences
 from kvcompress.evaluate import (
+    SharedPrefill,
     attention_step_seconds,
-    compare,
-    continuation_logits,
     decode_step_seconds,
     energy_error,
-    fp16_kv_bytes,
     kv_bytes,
     make_method,
-    prefill,
     weight_svd_bases,
 )
 from kvcompress.factors import load_factors
@@ -56,7 +61,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--continuation", type=int, default=256, help="scored tokens per sequence")
     p.add_argument("--chunk", type=int, default=16, help="continuation tokens per forward")
     p.add_argument(
-        "--latency-contexts", type=int_list, default=[2048, 4096, 8192], help="comma list; empty to skip"
+        "--latency-contexts",
+        type=int_list,
+        default=[2048, 8192, 16384],
+        help="comma list; empty to skip (beyond the model's max_position_embeddings: timing only, see above)",
     )
     p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
     p.add_argument("--decode-steps", type=int, default=32, help="timed steps per round (32: one block)")
@@ -67,12 +75,18 @@ def build_parser() -> ArgumentParser:
         help="comma list; one layer's decode attention timed without a prefill; empty to skip",
     )
     p.add_argument("--attention-steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (the median is reported)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=64)
     add_dtype(p, "bfloat16", ("bfloat16", "float32"))
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: small decode ops do not wait on busy cores)"
+    )
+    p.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="torch threads of the latency's shared prefill (not timed; default: every core)",
     )
     p.add_argument(
         "--compare-bases", action="store_true", help="held-out energy lost: calibrated PCA vs weight SVD"
@@ -82,96 +96,87 @@ def build_parser() -> ArgumentParser:
 
 
 def quality(model, tok, factors, args) -> dict[str, dict]:
-    methods = args.methods.split(",")
-    seqs = list(chat_sequences(tok, args.prefix + args.continuation, args.limit, split="heldout"))
-    totals = {
-        m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
+    return evaluate.quality(
+        model,
+        tok,
+        factors,
+        args.methods.split(","),
+        args.limit,
+        args.prefix,
+        args.continuation,
+        args.chunk,
+        args.sinks,
+        args.window,
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+    )
+
+
+def interleaved(methods: list[str], states: dict, seconds, repeats: int, label: str) -> dict[str, dict]:
+    """Per method, the median over ``repeats`` rounds of the mean of ``seconds(states[method])``, every round
+    running every method once (interleaved A/B), with the ratio to the first method of the same run.
+
+    ``states`` holds each method's state for one context (a prefilled cache); the rounds continue it.
+    """
+    rounds = {m: [] for m in methods}
+    for r in range(repeats):
+        for m in methods:
+            rounds[m].append(statistics.mean(seconds(states[m])))
+            print(f"  {label}: repeat {r + 1} {m} {rounds[m][-1] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    base = statistics.median(rounds[methods[0]])
+    return {
+        m: {
+            "ms": 1e3 * statistics.median(rounds[m]),
+            "ratio_vs_" + methods[0]: statistics.median(rounds[m]) / base,
+            "rounds_ms": [1e3 * x for x in rounds[m]],
+        }
         for m in methods
     }
-    for i, ids in enumerate(seqs):
-        targets = ids[:, args.prefix :]
-        ref = None
-        for m in methods:  # "full" first gives the reference logits for this sequence
-            factory = make_method(m, model, factors, args.sinks, args.window)
-            cache = factory()
-            start = time.perf_counter()
-            logits = continuation_logits(model, ids, cache, args.prefix, args.chunk)
-            totals[m]["seconds"] += time.perf_counter() - start
-            ref = logits if ref is None else ref
-            for k, v in compare(logits, ref, targets).items():
-                totals[m][k] += v
-            totals[m]["bytes"].append(kv_bytes(cache, exact_element_bytes=2))
-            totals[m]["fp16"].append(fp16_kv_bytes(model.config, ids.shape[1] - 1))
-        print(f"  quality: sequence {i + 1}/{len(seqs)} done", file=sys.stderr, flush=True)
-    base_ppl = torch.tensor(totals[methods[0]]["nll"] / totals[methods[0]]["n"]).exp().item()
-    rows = {}
-    for m, t in totals.items():
-        ppl = torch.tensor(t["nll"] / t["n"]).exp().item()
-        rows[m] = {
-            "ppl": ppl,
-            "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
-            "kl": t["kl"] / t["n"],
-            "top1_agree": t["agree"] / t["n"],
-            "kv_bytes": statistics.median(t["bytes"]),
-            "ratio_vs_fp16": statistics.median(f / b for f, b in zip(t["fp16"], t["bytes"], strict=True)),
-            "seconds": t["seconds"],
-        }
-    return rows
 
 
-def interleaved(methods: list[str], contexts, start, seconds, repeats: int, label: str) -> dict[str, dict]:
-    """Per method and context, the median over ``repeats`` rounds of the mean of ``seconds(state)``, every
-    round running every method once (interleaved A/B), with the ratio to the first method of the same run.
-
-    ``start(method, ctx)`` makes a method's state once per context (a prefilled cache); the rounds continue it.
-    """
-    out: dict[str, dict] = {}
-    for ctx in contexts:
-        states = {m: start(m, ctx) for m in methods}
-        rounds = {m: [] for m in methods}
-        for r in range(repeats):
-            for m in methods:
-                rounds[m].append(statistics.mean(seconds(states[m])))
-                print(
-                    f"  {label}: ctx {ctx} repeat {r + 1} {m} {rounds[m][-1] * 1e3:.3f} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        del states
-        base = statistics.median(rounds[methods[0]])
-        for m in methods:
-            ms = statistics.median(rounds[m])
-            out.setdefault(m, {})[str(ctx)] = {
-                "ms": 1e3 * ms,
-                "ratio_vs_" + methods[0]: ms / base,
-                "rounds_ms": [1e3 * x for x in rounds[m]],
-            }
-    return out
+def peak_rss_gib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def latency(model, tok, factors, args) -> dict[str, dict]:
     """Whole-model decode steps (the model's own forward of one token) after prefilling held-out text.
 
-    Each method's cache is prefilled once per context; every round then times ``--decode-steps`` steps on
-    it (32 = one compression block, so TALE's compressions are in the mean in their real proportion).
+    Per context, the prompt is prefilled once (``SharedPrefill``, on ``--prefill-threads``: it is not timed)
+    and handed to every method's cache as its own prefill would leave it; every round then times
+    ``--decode-steps`` steps on each cache (32 = one compression block, so TALE's compressions are in the
+    mean in their real proportion).  Contexts run one after the other, so each context's peak memory is
+    the process's peak after it (recorded with the KV memory each cache holds after its prefill).
     """
     methods = args.latency_methods.split(",")
     factories = {m: make_method(m, model, factors, args.sinks, args.window) for m in methods}
-
-    def start(m, ctx):
-        select_attention(model, m)
+    out: dict[str, dict] = {m: {} for m in methods}
+    for ctx in args.latency_contexts:
         ids = next(chat_sequences(tok, ctx, 1, split="heldout", offset=1000))
-        cache = factories[m]()
-        token = prefill(model, ids, cache)
-        _, token = decode_step_seconds(model, token, cache, 2)  # warm-up (kernel loading), not counted
-        return {"method": m, "cache": cache, "token": token}
+        torch.set_num_threads(args.prefill_threads)
+        shared = SharedPrefill(model, ids)
+        torch.set_num_threads(args.threads)
+        states, kv_mib = {}, {}
+        for m in methods:
+            select_attention(model, m)
+            cache = factories[m]()
+            token = shared.start(cache)[:, -1:].argmax(-1)
+            _, token = decode_step_seconds(model, token, cache, 2)  # warm-up (kernel loading), not counted
+            states[m], kv_mib[m] = {"method": m, "cache": cache, "token": token}, kv_bytes(cache) / 2**20
+        del shared
 
-    def seconds(state):
-        select_attention(model, state["method"])
-        times, state["token"] = decode_step_seconds(model, state["token"], state["cache"], args.decode_steps)
-        return times
+        def seconds(state):
+            select_attention(model, state["method"])
+            times, state["token"] = decode_step_seconds(
+                model, state["token"], state["cache"], args.decode_steps
+            )
+            return times
 
-    return interleaved(methods, args.latency_contexts, start, seconds, args.repeats, "latency")
+        timed = interleaved(methods, states, seconds, args.repeats, f"latency ctx {ctx}")
+        del states
+        peak = peak_rss_gib()
+        for m in methods:
+            out[m][str(ctx)] = {**timed[m], "kv_mib": kv_mib[m], "peak_rss_gib": peak}
+    return out
 
 
 def attention_latency(model, factors, args) -> dict[str, dict]:
@@ -186,9 +191,12 @@ def attention_latency(model, factors, args) -> dict[str, dict]:
         m, ctx = state
         return attention_step_seconds(model, factories[m](), ctx, args.attention_steps, next(seeds))
 
-    return interleaved(
-        methods, args.attention_contexts, lambda m, ctx: (m, ctx), seconds, args.repeats, "attention"
-    )
+    out: dict[str, dict] = {m: {} for m in methods}
+    for ctx in args.attention_contexts:
+        states = {m: (m, ctx) for m in methods}
+        for m, row in interleaved(methods, states, seconds, args.repeats, f"attention ctx {ctx}").items():
+            out[m][str(ctx)] = row
+    return out
 
 
 def select_attention(model, method: str) -> None:
@@ -199,12 +207,14 @@ def select_attention(model, method: str) -> None:
         enable_tale(model)
 
 
-def print_latency(title: str, lat: dict[str, dict], digits: int) -> None:
-    contexts = list(next(iter(lat.values())))
+def print_latency(title: str, lat: dict[str, dict], digits: int, trained: int | None = None) -> None:
+    """The table of medians and ratios; contexts beyond ``trained`` positions are marked with ``*``."""
+    contexts = [c + ("*" if trained and int(c) > trained else "") for c in next(iter(lat.values()))]
     print(f"\n{title} (median; ratio vs first method)")
     print(f"{'method':<16}" + "".join(f"{c:>18}" for c in contexts))
     for m, per in lat.items():
-        cells = [f"{v['ms']:.{digits}f} ({list(v.values())[1]:.2f}x)" for v in per.values()]
+        ratios = [next(x for k, x in v.items() if k.startswith("ratio_vs_")) for v in per.values()]
+        cells = [f"{v['ms']:.{digits}f} ({r:.2f}x)" for v, r in zip(per.values(), ratios, strict=True)]
         print(f"{m:<16}" + "".join(f"{c:>18}" for c in cells))
 
 
@@ -249,7 +259,22 @@ def bench(args) -> None:
                 f"{r['kl']:>9.4f}{r['top1_agree']:>8.3f}"
             )
     if lat:
-        print_latency("decode ms/step", lat, 1)
+        trained = model.config.max_position_embeddings
+        print_latency("decode ms/step", lat, 1, trained)
+        print(f"{'KV MiB held':<16}" + "".join(f"{c:>18}" for c in next(iter(lat.values()))))
+        for m, per in lat.items():
+            print(f"{m:<16}" + "".join(f"{v['kv_mib']:>18.1f}" for v in per.values()))
+        peaks = next(iter(lat.values()))
+        print(
+            "peak RSS after each context: "
+            + ", ".join(f"{c}: {v['peak_rss_gib']:.2f} GiB" for c, v in peaks.items())
+        )
+        if max(args.latency_contexts) > trained:
+            rope = (model.config.rope_parameters or {}).get("rope_type", "default")
+            print(
+                f"* beyond the model's max_position_embeddings ({trained}); its RoPE ({rope}) is computed for any "
+                "position, so these steps time the same arithmetic, but their outputs are not meaningful"
+            )
     if attn:
         print_latency("one layer's decode-step attention + cache update, ms", attn, 3)
     if bases:
@@ -267,6 +292,7 @@ def bench(args) -> None:
                 "fused_kernels": kernels.numba is not None,
                 "quality": q,
                 "latency": lat,
+                "max_position_embeddings": model.config.max_position_embeddings,
                 "attention_latency": attn,
                 "bases": bases,
                 "anchor": "TALE paper: 9.1x",

@@ -184,6 +184,61 @@ def test_memory_accounting_equals_bytes_held(model_and_factors):
 
 
 @torch.no_grad()
+def test_shared_prefill_leaves_each_cache_as_its_own_prefill(model_and_factors):
+    """The benchmarks prefill a prompt once (``SharedPrefill``) and hand it to every method's cache: a
+    ``TaleCache`` then holds the same tiers and predicts the same continuation as after its own prefill, and
+    transformers' caches (full and fp8) the same as theirs."""
+    from transformers import QuantizedCache
+
+    from kvcompress.evaluate import SharedPrefill, continuation_logits
+
+    model, factors = model_and_factors
+    ids = torch.randint(0, 96, (1, 150))
+    prefix = 120  # longer than OBSERVED_QUERIES: the TaleCache gets unobserved K/V, then the last rows run
+    shared = SharedPrefill(model, ids[:, :prefix])
+    assert model.config._attn_implementation == "tale"  # the shared prefill ran sdpa and switched back
+
+    own, seeded = (TaleCache(factors, tiered_policy(), model.config, model=model) for _ in range(2))
+    model(ids[:, :prefix], cache=own)
+    shared.start(seeded)
+    assert seeded.stats() == own.stats() and seeded.stats()["tiers"][-1] > 40
+    for a, b in zip(own.layers, seeded.layers, strict=True):
+        assert torch.equal(a.tier_ids, b.tier_ids)
+    own, seeded = (TaleCache(factors, tiered_policy(), model.config, model=model) for _ in range(2))
+    torch.testing.assert_close(  # chunks of 10 tokens (20 query rows): dequantize + matmul, nothing to compile
+        continuation_logits(model, ids, seeded, prefix, 10, shared),
+        continuation_logits(model, ids, own, prefix, 10),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+    model.set_attn_implementation("sdpa")
+    try:
+        for make in (lambda: DynamicCache(config=model.config), lambda: QuantizedCache("fp8", model.config)):
+            torch.testing.assert_close(
+                continuation_logits(model, ids, make(), prefix, 3, shared),
+                continuation_logits(model, ids, make(), prefix, 3),
+                atol=1e-5,
+                rtol=1e-5,
+            )
+    finally:
+        enable_tale(model)
+
+
+def test_a_float32_full_cache_counts_as_fp16_when_asked():
+    """The quality table reports memory as a 16-bit model holds it, from float32 runs too: the full cache
+    is then exactly the fp16 reference (1x), not half of it."""
+    from kvcompress.evaluate import fp16_kv_bytes, kv_bytes
+
+    config = tiny_config()
+    cache = DynamicCache(config=config)
+    for i in range(config.num_hidden_layers):
+        cache.update(torch.randn(1, 2, 30, HEAD_DIM), torch.randn(1, 2, 30, HEAD_DIM), i)
+    assert kv_bytes(cache, exact_element_bytes=2) == fp16_kv_bytes(config, 30)
+    assert kv_bytes(cache) == 2 * fp16_kv_bytes(config, 30)
+
+
+@torch.no_grad()
 def test_most_significant_tokens_get_the_top_tier(model_and_factors):
     model, factors = model_and_factors
     cache = TaleCache(factors, tiered_policy(window=0, block=1000), model.config, model=model)

@@ -61,6 +61,7 @@ SCRIPTS = [
     ("bench_cluster.py", [MISSING, "--out", OUT]),
     ("bench_distill.py", [MISSING, "--out", OUT]),
     ("bench_kvcompress.py", [MISSING, MISSING, "--out", OUT]),
+    ("bench_kvcompress_pareto.py", [MISSING, "--factors", OUT, "--out", OUT]),
     ("bench_prefill.py", [MISSING, "--out", OUT]),
     ("bench_ranking.py", [MISSING, "--out", OUT]),
     ("bench_rank_proxy.py", [MISSING, MISSING, MISSING, "--out", OUT]),

@@ -1,0 +1,39 @@
+"""scripts/bench_kvcompress_pareto.py: the Pareto front, the verdict against the 9x / 3% target, and the three
+outputs from a table of rows (the measurement itself is kvcompress.evaluate.quality, tested with the cache)."""
+
+from __future__ import annotations
+
+import runpy
+
+from helpers import ROOT
+
+SCRIPT = runpy.run_path(str(ROOT / "scripts" / "bench_kvcompress_pareto.py"), run_name="script_under_test")
+
+
+def rows(**points: tuple[float, float]) -> dict[str, dict]:
+    return {
+        m: {"ratio_vs_fp16": x, "ppl_increase_pct": y, "kl": 0.0, "top1_agree": 1.0}
+        for m, (x, y) in points.items()
+    }
+
+
+def test_front_keeps_only_undominated_methods():
+    table = rows(full=(1, 0), a=(5, 1), b=(8, 2), c=(7, 4), d=(10, 30), e=(8, 2.5))
+    assert SCRIPT["pareto_front"](table) == {"full", "a", "b", "d"}
+
+
+def test_verdict_names_the_best_method_or_both_sides_of_the_shortfall():
+    assert SCRIPT["verdict"](rows(full=(1, 0), a=(9.5, 2.9), b=(10, 2))).startswith("target met: b is 10.00x")
+    short = SCRIPT["verdict"](rows(full=(1, 0), a=(8.4, 2.5), b=(9.6, 7.1), c=(6, 1)))
+    assert short == (
+        "target not met: within +3% perplexity the smallest is a at 8.40x; at ≥ 9x the best is b at +7.10%"
+    )
+
+
+def test_markdown_and_plot_are_written(tmp_path):
+    table = rows(full=(1, 0), a=(8.4, 2.5), b=(9.6, 7.1))
+    front = SCRIPT["pareto_front"](table)
+    text = SCRIPT["markdown"](table, {"full": "", "a": "tiers a", "b": "tiers b"}, front, "header", "verdict")
+    assert text.splitlines()[4].startswith("| `full` |") and "| `b` | tiers b | 9.60× | +7.10% |" in text
+    SCRIPT["plot"](table, front, "title", tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
