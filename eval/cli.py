@@ -124,24 +124,30 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def job_from_args(args):
+    """The ``JobConfig`` of ``swiftkv run``'s arguments: a preset with the user's choices (``eval.job``)."""
+    from .job import job_config
+
+    return job_config(
+        args.quick,
+        model=args.model,
+        recipe=args.recipe,
+        out=args.out,
+        fractions=args.fractions,
+        distill_steps=args.distill_steps,
+        device=args.device,
+        dtype=args.dtype,
+        launch=args.launch,
+    )
+
+
 def _command(args) -> str:
     from toolkit.checkpoint import open_checkpoint
 
     if args.command == "run":
-        from .job import job_config, run_job
+        from .job import run_job
 
-        config = job_config(
-            args.quick,
-            model=args.model,
-            recipe=args.recipe,
-            out=args.out,
-            fractions=args.fractions,
-            distill_steps=args.distill_steps,
-            device=args.device,
-            dtype=args.dtype,
-            launch=args.launch,
-        )
-        return str(run_job(config))
+        return str(run_job(job_from_args(args)))
     if args.command == "tasks":
         from .tasks import write_tasks
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval.cli import build_parser
+from eval.cli import build_parser, job_from_args
 from eval.job import FULL, QUICK, JobConfig, job_config
 from toolkit.cliargs import UsageError
 
@@ -54,16 +54,5 @@ def test_the_recorded_command_reproduces_the_config(quick, tmp_path):
         launch=tmp_path / "launch.yaml",
     )
     argv = config.command().split()[1:]  # after `swiftkv`
-    args = build_parser().parse_args(argv)
-    again = job_config(
-        args.quick,
-        model=args.model,
-        recipe=args.recipe,
-        out=args.out,
-        fractions=args.fractions,
-        distill_steps=args.distill_steps,
-        device=args.device,
-        dtype=args.dtype,
-        launch=args.launch,
-    )
+    again = job_from_args(build_parser().parse_args(argv))
     assert again == config
