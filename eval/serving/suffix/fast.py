@@ -29,10 +29,14 @@ import numpy as np
 
 from .tree import Draft, _search_order, f32
 
+# Kernels run without numba's runtime (NRT): with it, every array bound to a name inside a kernel (each inlined
+# helper's parameters, each call's arguments) is reference-counted with an atomic increment and decrement that
+# LLVM keeps, which perf put at 80% of a prompt's insertion (five times slower, 2026-12-04).  Without the runtime
+# a kernel cannot allocate: its scratch arrays come from the Python side.  Only the artifact conversions, which
+# build their outputs, keep it (``jit``).
+kernel = numba.njit(cache=True, nogil=True, _nrt=False)
 jit = numba.njit(cache=True, nogil=True)
-# The kernels' helpers are inlined into them at numba's IR level: a call to a compiled function increments and
-# decrements the reference count of every array it passes (two atomic operations each, not optimised away);
-# inlining measured 15-20% off an append and a speculate (2026-12-03, bench_suffix.py streams).
+# The kernels' helpers are inlined into them at numba's IR level (fewer calls; the compiler sees the kernel whole).
 inline = numba.njit(cache=True, nogil=True, inline="always")
 
 # node table columns
@@ -110,7 +114,7 @@ def h_del(keys, vals, key):
     return 1
 
 
-@jit
+@kernel
 def h_rehash(keys, vals, new_keys, new_vals):
     for i in range(len(keys)):
         if keys[i] != EMPTY:
@@ -189,7 +193,7 @@ def ep_find(nodes, eps, ekeys, evals, node, slot):
     return h_get(ekeys, evals, ckey(node, slot))
 
 
-@jit
+@inline
 def ep_get(nodes, eps, ekeys, evals, node, slot):
     r = ep_find(nodes, eps, ekeys, evals, node, slot)
     return -1 if r < 0 else eps[r, EEND]
@@ -413,7 +417,7 @@ def increment_count(nodes, groups, meta, node):
         insert_before(nodes, groups, meta, node, other)
 
 
-@jit
+@inline
 def decrement_count(nodes, groups, meta, node):
     if nodes[node, PAR] < 0:
         nodes[node, CNT] -= 1
@@ -532,7 +536,7 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
     return new
 
 
-@jit
+@kernel
 def k_extend(
     nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, active, actmeta, slot, new
 ):
@@ -587,24 +591,31 @@ def k_extend(
     return len(new)
 
 
-@jit
-def _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, top):
-    stack = [top]
-    while stack:
-        node = stack.pop()
+@inline
+def free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, top):
+    """Free ``top`` (already out of its parent) and everything below it, children first, without a stack: a
+    node's first child is unlinked and descended into; a node without children left is freed, then its parent
+    is resumed."""
+    node = top
+    while True:
         c = nodes[node, HEAD]
-        while c >= 0:
+        if c >= 0:
             meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, token_at(nodes, tokens, seqtab, c, 0)))
-            stack.append(c)
-            c = nodes[c, NEXT]
+            nodes[node, HEAD] = nodes[c, NEXT]
+            node = c
+            continue
+        parent = nodes[node, PAR]
         free_node(nodes, groups, eps, ekeys, evals, meta, node)
+        if node == top:
+            return
+        node = parent
 
 
-@jit
-def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, slot, depth):
-    """tree.SuffixTree.remove on rows (any leaf below a node serves to re-point it)."""
+@kernel
+def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, slot, path):
+    """tree.SuffixTree.remove on rows (any leaf below a node serves to re-point it); ``path``: scratch for
+    max_depth + 1 nodes."""
     base, n = seqtab[slot, SSTART], seqtab[slot, SLEN]
-    path = np.empty(depth + 1, np.int32)
     for start in range(n):
         node = 0
         nodes[0, CNT] -= 1
@@ -620,7 +631,7 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
             else:  # the child and its whole subtree go
                 remove_from_siblings(nodes, groups, meta, child)
                 meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, tok))
-                _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, child)
+                free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, child)
                 break
             ep_del(nodes, eps, ekeys, evals, meta, child, slot)
             idx += nodes[child, LEN]
@@ -797,10 +808,9 @@ def _heap_pop(hp, hi, size):
 
 
 @inline
-def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob):
-    """SuffixTree.speculate_tree: best-first expansion; (number of tokens, score)."""
-    hp = np.empty(64, np.float64)
-    hi = np.empty((64, 4), np.int64)
+def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob, hp, hi):
+    """SuffixTree.speculate_tree: best-first expansion on the heap (hp, hi); (number of tokens, score), or
+    (-1, 0.0) when the heap is full (the caller gives a bigger one)."""
     size = _heap_push(hp, hi, 0, -1.0, 0, node, offset, -1)
     order, n, score = 1, 0, 0.0
     while size > 0 and n < max_tokens:
@@ -812,9 +822,7 @@ def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
             out_prob[n] = -neg_p
             n += 1
             score = _f32(score - neg_p)
-            if size == len(hp):
-                hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
-            size = _heap_push(hp, hi, size, neg_p, order, nd, o + 1, n - 1)
+            size = _heap_push(hp, hi, size, neg_p, order, nd, o + 1, n - 1)  # popped one, so it fits
             order += 1
         else:
             child = nodes[nd, HEAD]
@@ -823,14 +831,14 @@ def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
                 if p < min_prob:
                     break
                 if size == len(hp):
-                    hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
+                    return -1, 0.0
                 size = _heap_push(hp, hi, size, -p, order, child, 0, parent)
                 order += 1
                 child = nodes[child, NEXT]
     return n, score
 
 
-@jit
+@kernel
 def k_speculate(
     nodes,
     ckeys,
@@ -846,19 +854,20 @@ def k_speculate(
     max_spec,
     min_prob,
     tree,
-    ids,
+    ints,
     probs,
+    hp,
+    hi,
 ):
-    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open), its tokens and parents written into the rows
-    of ``ids`` and its probabilities into ``probs`` (``max_spec`` columns or more): (tokens, score, match_len)."""
-    m = len(ctx)
-    pos_node = np.empty(max(m, 1), np.int64)
-    pos_off = np.empty(max(m, 1), np.int64)
+    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open): (tokens, score, match_len), its tokens and
+    parents in rows 0-1 of ``ints`` and its probabilities in row 0 of ``probs``; (-1, 0.0, 0) when the heap
+    (``hp``, ``hi``) was too small for a tree draft.  Scratch: ``ints`` rows 2-3 and ``probs`` row 1 hold a
+    tree draft being scored, rows 4-5 the match positions (node, offset); both have max(max_spec, len(ctx))
+    columns or more."""
+    pos_node, pos_off = ints[4], ints[5]
     npos = tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off)
     if npos == 0 and walk:
         npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, 1, pos_node, pos_off, 0)
-    cand_ids = np.empty((2, max_spec if tree else 0), np.int64)  # a tree draft is built to be scored
-    cand_probs = np.empty(max_spec if tree else 0)
     best_score, best_p, best_n, best_node, best_off, best_budget = -1.0, 0, 0, 0, 0, 0
     slack = 1 + 1e-5 if tree else 1.0
     for r in range(len(order)):
@@ -869,26 +878,30 @@ def k_speculate(
         if b < best_score or (b == best_score and p < best_p):
             break
         node, off = pos_node[p - 1], pos_off[p - 1]
-        if tree:
+        if tree:  # a tree draft is built to be scored
             n, score = tree_draft(
-                nodes, tokens, seqtab, node, off, budget, min_prob, cand_ids[0], cand_ids[1], cand_probs
+                nodes, tokens, seqtab, node, off, budget, min_prob, ints[2], ints[3], probs[1], hp, hi
             )
+            if n < 0:
+                return -1, 0.0, 0
         else:
-            n, score = path_draft(nodes, tokens, seqtab, node, off, budget, min_prob, ids[0], probs, False)
+            n, score = path_draft(
+                nodes, tokens, seqtab, node, off, budget, min_prob, ints[0], probs[0], False
+            )
         if score > best_score or (score == best_score and p > best_p):
             best_score, best_p, best_n = score, p, n
             best_node, best_off, best_budget = node, off, budget
             if tree:
-                ids[:, :n] = cand_ids[:, :n]
-                probs[:n] = cand_probs[:n]
+                for i in range(n):
+                    ints[0, i], ints[1, i], probs[0, i] = ints[2, i], ints[3, i], probs[1, i]
     if best_p == 0:
         return 0, 0.0, 0
     if not tree:
         best_n, best_score = path_draft(
-            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, ids[0], probs, True
+            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, ints[0], probs[0], True
         )
         for i in range(best_n):
-            ids[1, i] = i - 1
+            ints[1, i] = i - 1
     return best_n, best_score, best_p
 
 
@@ -1043,7 +1056,8 @@ class ArrayTree:
         self.active = np.empty((4, max_depth), np.int32)
         self.actmeta = np.empty((4, 2), np.int32)
         self.seqs = _Seqs(self)
-        self._draft_ids, self._draft_probs = np.empty((2, 32), np.int64), np.empty(32)  # the kernel's output
+        self._spec_ints, self._spec_probs = np.empty((6, 64), np.int64), np.empty((2, 64))  # k_speculate's
+        self._heap_p, self._heap_i = np.empty(64), np.empty((64, 4), np.int64)  # scratch and output
         self._free_slots: list[int] = []
         self._free_rows: list[int] = []  # of the active-node table
         self._slot: dict[int, int] = {}  # seq id -> slot
@@ -1220,7 +1234,8 @@ class ArrayTree:
         self.close(seq_id)
         slot = self._slot.pop(seq_id)
         del self._id_of[slot]
-        k_remove(*self._tables(), self.tokens, self.seqtab, slot, self.max_depth)
+        path = np.empty(self.max_depth + 1, np.int32)
+        k_remove(*self._tables(), self.tokens, self.seqtab, slot, path)
         self._garbage += int(self.seqtab[slot, SCAP])
         self.seqtab[slot] = (0, 0, 0, -1)
         self._free_slots.append(slot)
@@ -1256,23 +1271,33 @@ class ArrayTree:
         slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
         ctx = _int32(context)
         order = _order_array(self.max_depth, max_spec, factor, offset)
-        if len(self._draft_probs) < max_spec:
-            self._draft_ids, self._draft_probs = np.empty((2, max_spec), np.int64), np.empty(max_spec)
-        ids, probs = self._draft_ids, self._draft_probs
-        n, score, match_len = _speculate(
-            *self._spec_args,
-            slot,
-            ctx,
-            bool(walk),
-            order,
-            int(max_spec),
-            f32(min_token_prob),
-            bool(tree),
-            ids,
-            probs,
-        )
-        tokens, parents = ids[:, :n].tolist()
-        return Draft(tokens, parents, probs[:n].tolist(), match_len, score)
+        if self._spec_probs.shape[1] < max(max_spec, len(ctx)):
+            size = _pow2_at_least(max(max_spec, len(ctx)))
+            self._spec_ints, self._spec_probs = np.empty((6, size), np.int64), np.empty((2, size))
+        ints, probs = self._spec_ints, self._spec_probs
+        while True:
+            n, score, match_len = _speculate(
+                *self._spec_args,
+                slot,
+                ctx,
+                bool(walk),
+                order,
+                int(max_spec),
+                f32(min_token_prob),
+                bool(tree),
+                ints,
+                probs,
+                self._heap_p,
+                self._heap_i,
+            )
+            if n >= 0:
+                break
+            self._heap_p, self._heap_i = (
+                np.empty(2 * len(self._heap_p)),
+                np.empty((2 * len(self._heap_p), 4), np.int64),
+            )
+        tokens, parents = ints[:2, :n].tolist()
+        return Draft(tokens, parents, probs[0, :n].tolist(), match_len, score)
 
     def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
         """Best draft for the tails of ``context`` shorter than it, each walked from the root."""
