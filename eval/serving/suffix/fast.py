@@ -33,11 +33,12 @@ from .tree import Draft, _search_order, f32
 # helper's parameters, each call's arguments) is reference-counted with an atomic increment and decrement that
 # LLVM keeps, which perf put at 80% of a prompt's insertion (five times slower, 2026-12-04).  Without the runtime
 # a kernel cannot allocate: its scratch arrays come from the Python side.  Only the artifact conversions, which
-# build their outputs, keep it (``jit``).
-kernel = numba.njit(cache=True, nogil=True, _nrt=False)
-jit = numba.njit(cache=True, nogil=True)
+# build their outputs, keep it (``jit``).  Kernels keep the GIL, as the C++ tree does: they take microseconds, and
+# releasing and retaking it would add a fifth to a call's fixed cost.
+kernel = numba.njit(cache=True, _nrt=False)
+jit = numba.njit(cache=True)
 # The kernels' helpers are inlined into them at numba's IR level (fewer calls; the compiler sees the kernel whole).
-inline = numba.njit(cache=True, nogil=True, inline="always")
+inline = numba.njit(cache=True, inline="always")
 
 # node table columns
 CNT, LEN, REF, END, PAR, HEAD, TAIL, NEXT, PREV, GRP, EPH = range(11)
@@ -1085,16 +1086,18 @@ class ArrayTree:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
         self.endpoints = endpoints
-        rows = 4 * (max_depth + 1)  # room for a few tokens; tables double when a token might not fit
+        # room for one token (a request tree that stays empty allocates little); tables grow when a token
+        # might not fit, for all of a prompt at once
+        rows = 2 * (max_depth + 1)
         self.nodes = np.empty((rows, NODE_FIELDS), np.int32)
-        self.groups = np.empty((4 * rows, 4), np.int32)
-        self.chash = self._hash_table(4 * rows)
+        self.groups = np.empty((2 * rows, 4), np.int32)
+        self.chash = self._hash_table(2 * rows)
         ep_rows = rows if endpoints else 1  # kernels never touch a tree's endpoint tables without endpoints
         self.eps = np.empty((ep_rows, 5), np.int32)
-        self.ehash = self._hash_table(4 * ep_rows)
+        self.ehash = self._hash_table(2 * ep_rows)
         self.meta = np.zeros(9, np.int64)
         self.meta[M_ENDPOINTS] = endpoints
-        self.tokens = np.empty(4096, np.int32)
+        self.tokens = np.empty(256, np.int32)
         self.seqtab = np.empty((16, 4), np.int64)
         self.active = np.empty((4, max_depth), np.int32)
         self.actmeta = np.empty((4, 2), np.int32)
@@ -1130,8 +1133,10 @@ class ArrayTree:
         if slot is None:
             self.clear()
             self.extend(0, tokens)
-        else:
-            self._insert(slot, _tokens(tokens), True)
+            return
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, True)) < len(new):
+            self._extend_rest(slot, new, done)
 
     @property
     def root_count(self) -> int:
@@ -1253,11 +1258,12 @@ class ArrayTree:
         slot = self._open.get(seq_id)
         if slot is None:
             slot = self._open_slot(seq_id)
-        self._insert(slot, _tokens(tokens), False)
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, False)) < len(new):
+            self._extend_rest(slot, new, done)
 
-    def _insert(self, slot: int, new: array, restart: bool) -> None:
-        """k_extend, growing the tables whenever it stops short."""
-        done = _extend(*self._ext_args, slot, new, restart)
+    def _extend_rest(self, slot: int, new: array, done: int) -> None:
+        """What k_extend left of ``new`` after ``done`` tokens, growing the tables it found short."""
         while done < len(new):
             self._make_room(slot, len(new) - done)
             done += _extend(*self._ext_args, slot, new[done:], False)
