@@ -9,13 +9,15 @@ order and ties), same float32 arithmetic: drafts are identical to :class:`.tree.
 Layout: node fields are the columns of one int32 table (``NODE_FIELDS``); a node's children are found in
 an open-addressing hash table keyed by (parent, token), its suffix endpoints in a linked list of records
 (found by (node, sequence slot) in a second hash table when a node has two or more); equal-count sibling
-groups are rows of a group table, reference-counted by their members.  A request's tree (``for_request``)
-keeps no endpoints (only removal and artifacts read them) and is cleared and reused by the cache.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
-tokens live in a segment of one token pool (moved to the end, doubled, when it outgrows its segment);
-removed and moved-away segments are reclaimed by compaction.  Kernels never grow a table: appending stops
-before a token that might not fit (one token adds at most max_depth + 1 rows anywhere), the Python side
-doubles what is short and resumes.  The first use compiles the kernels (about a minute; numba caches them in
-``__pycache__`` for later processes, which then load in seconds).
+groups are rows of a group table, reference-counted by their members.  Freed rows go on free lists (linked
+through the ``NEXT`` column).  Each sequence's tokens live in a segment of one token pool (moved to the end,
+doubled, when it outgrows its segment); removed and moved-away segments are reclaimed by compaction.  Kernels
+never grow a table: appending stops before a token that might not fit (one token adds at most max_depth + 1
+rows anywhere), the Python side grows what is short and resumes.  A request's tree (``for_request``) keeps no
+endpoints (only removal and artifacts read them), starts small, and serves the cache's next request after
+``restart``: one kernel call that empties it in O(1) (counters, the root's row, and the hash tables by a
+generation step) and inserts the new prompt.  The first use compiles the kernels (about a minute and a half;
+numba caches them in ``__pycache__`` for later processes, which then load in seconds).
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashing)
 
 
 # ---- hash tables: int64 keys, int32 values, linear probing, backward-shift deletion ---------------------
-# A table is a (2^k + 1, 2) int64 array: rows (key, generation << 32 | value) and, last, (generation, 0).  Only
-# rows of the table's generation are in it, so emptying a table is one increment (a finished request's tree is
-# reused without touching its rows; ArrayTree.clear).
+# A table is a (2^k + 1, 2) int64 array: rows (key, generation << 32 | value), then one row whose first column
+# is the table's generation.  Only rows of that generation are in the table, so emptying it is one increment (a
+# finished request's tree is reused without touching its rows: ArrayTree.restart, clear).
 
 
 @inline
@@ -508,6 +510,7 @@ def clear_tables(nodes, chash, ehash, meta, seqtab, actmeta, keep):
 
 @kernel
 def k_clear(nodes, chash, ehash, meta, seqtab, actmeta):
+    """clear_tables for ArrayTree.clear (no sequence kept)."""
     clear_tables(nodes, chash, ehash, meta, seqtab, actmeta, -1)
 
 
