@@ -1187,11 +1187,13 @@ class ArrayTree:
         self._refresh()
 
     def _token_room(self, slot: int, n_tokens: int) -> None:
-        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled)."""
+        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled, at least
+        256 tokens: each growth is a trip through Python, and a response of a few hundred tokens then grows its
+        segment twice, not six times)."""
         start, length, cap, _ = self.seqtab[slot]
         if length + n_tokens <= cap:
             return
-        new_cap = max(2 * int(cap), int(length) + n_tokens, 16)
+        new_cap = max(2 * int(cap), int(length) + n_tokens, 256)
         if self._tok_used + new_cap > len(self.tokens):
             if self._garbage > len(self.tokens) // 2:
                 self._compact()
