@@ -11,9 +11,11 @@ earlier answers): the pure-Python tree, the numba-compiled one (when numba is in
 (arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or
 SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is skipped, saying so, when
 absent).  All caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one),
-interleaved request by request, in repeats with fresh caches, garbage collection off while timing; medians of the per-operation times (setup: an empty
-request's ``start_request``; prompt: ``start_request`` per prompt token, its tree's allocation included; append
-per token, both trees; ``speculate()`` per call), ratios to the reference, bytes per cached token of the global tree.
+interleaved request by request, in repeats with fresh caches, garbage collection off while timing; medians of
+the per-operation times (setup: an empty request's ``start_request``; prompt: ``start_request`` per prompt token,
+its tree's allocation included; append per token, both trees; ``speculate()`` per call; finish: a request's
+``finish_request``, the reference's ``stop_request``, which frees its request tree), ratios to the reference,
+bytes per cached token of the global tree.
 
     SUFFIX_REFERENCE_PATH=SITE flock /tmp/bench.lock python scripts/bench_suffix.py . --workload streams --out s.json
     flock /tmp/bench.lock python scripts/bench_suffix.py MODEL_DIR --workload both --out bench.json
@@ -122,7 +124,17 @@ STREAM_KINDS = {
     "prompt-2000": lambda n: synthetic_streams(n, 2000),
     "agentic": agentic_streams,
 }
-ACC_KEYS = ("t_setup", "t_prompt", "t_spec", "t_app", "requests", "steps", "appended", "prompt_tokens")
+ACC_KEYS = (
+    "t_setup",
+    "t_prompt",
+    "t_spec",
+    "t_app",
+    "t_finish",
+    "requests",
+    "steps",
+    "appended",
+    "prompt_tokens",
+)
 SETUP_ID = -1  # request id of the empty request that times the per-request setup
 
 
@@ -162,7 +174,9 @@ def drive_request(cache, r: int, prompt, response, reference: bool, acc: dict) -
         acc["appended"] += len(new)
         ctx += new
         i += len(new)
+    t0 = time.perf_counter()
     stop(r)
+    acc["t_finish"] += time.perf_counter() - t0
 
 
 def summary(acc: dict) -> dict:
@@ -173,6 +187,7 @@ def summary(acc: dict) -> dict:
         "us_per_prompt_token": 1e6 * acc["t_prompt"] / acc["prompt_tokens"],
         "us_per_appended_token": 1e6 * acc["t_app"] / acc["appended"],
         "us_per_speculate": 1e6 * acc["t_spec"] / acc["steps"],
+        "us_per_finish": 1e6 * acc["t_finish"] / acc["requests"],
     }
 
 
@@ -192,7 +207,7 @@ def reference_cache_class(path: str | None):
 
 
 STREAM_CACHES = ("python", "compiled", "reference")
-TIMED = ("us_per_setup", "us_per_prompt_token", "us_per_appended_token", "us_per_speculate")
+TIMED = ("us_per_setup", "us_per_prompt_token", "us_per_appended_token", "us_per_speculate", "us_per_finish")
 
 
 def stream_caches(args) -> dict:
@@ -359,7 +374,7 @@ def print_streams(res: dict) -> None:
     """Per kind of stream: one row per cache, then each cache's ratios to the reference (the target is <= 1.5x)."""
     print(
         f"\n{'stream':12} {'cache':10} {'steps':>6} {'tok/step':>8} {'setup us':>9} {'prompt us':>9} "
-        f"{'append us':>9} {'spec us':>9} {'B/token':>8}"
+        f"{'append us':>9} {'spec us':>9} {'finish us':>9} {'B/token':>8}"
     )
     for kind, r in res.items():
         for name in STREAM_CACHES:

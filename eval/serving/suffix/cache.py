@@ -144,12 +144,8 @@ class SuffixCache:
     def start_request(self, request_id: int, prompt: Sequence[int]) -> None:
         """Open a request: its own tree over ``prompt`` (a finished request's, cleared, when one is spare) and a
         slot for its response in the global tree."""
-        if self._spare:
-            tree = self._spare.pop()
-            tree.clear()
-        else:
-            tree = self._tree_class.for_request(self.config.max_depth)
-        tree.extend(0, prompt)
+        tree = self._spare.pop() if self._spare else self._tree_class.for_request(self.config.max_depth)
+        tree.restart(prompt)
         seq_id = self._new_response()
         self._requests[request_id] = (tree, seq_id)
         if seq_id is not None:

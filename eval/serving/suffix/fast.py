@@ -9,13 +9,15 @@ order and ties), same float32 arithmetic: drafts are identical to :class:`.tree.
 Layout: node fields are the columns of one int32 table (``NODE_FIELDS``); a node's children are found in
 an open-addressing hash table keyed by (parent, token), its suffix endpoints in a linked list of records
 (found by (node, sequence slot) in a second hash table when a node has two or more); equal-count sibling
-groups are rows of a group table, reference-counted by their members.  A request's tree (``for_request``)
-keeps no endpoints (only removal and artifacts read them) and is cleared and reused by the cache.  Freed rows go on free lists (linked through the ``NEXT`` column).  Each sequence's
-tokens live in a segment of one token pool (moved to the end, doubled, when it outgrows its segment);
-removed and moved-away segments are reclaimed by compaction.  Kernels never grow a table: appending stops
-before a token that might not fit (one token adds at most max_depth + 1 rows anywhere), the Python side
-doubles what is short and resumes.  The first use compiles the kernels (about a minute; numba caches them in
-``__pycache__`` for later processes, which then load in seconds).
+groups are rows of a group table, reference-counted by their members.  Freed rows go on free lists (linked
+through the ``NEXT`` column).  Each sequence's tokens live in a segment of one token pool (moved to the end,
+doubled, when it outgrows its segment); removed and moved-away segments are reclaimed by compaction.  Kernels
+never grow a table: appending stops before a token that might not fit (one token adds at most max_depth + 1
+rows anywhere), the Python side grows what is short and resumes.  A request's tree (``for_request``) keeps no
+endpoints (only removal and artifacts read them), starts small, and serves the cache's next request after
+``restart``: one kernel call that empties it in O(1) (counters, the root's row, and the hash tables by a
+generation step) and inserts the new prompt.  The first use compiles the kernels (about a minute and a half;
+numba caches them in ``__pycache__`` for later processes, which then load in seconds).
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ import numpy as np
 
 from .tree import Draft, _search_order, f32
 
-jit = numba.njit(cache=True, nogil=True)
-# The kernels' helpers are inlined into them at numba's IR level: a call to a compiled function increments and
-# decrements the reference count of every array it passes (two atomic operations each, not optimised away);
-# inlining measured 15-20% off an append and a speculate (2026-12-03, bench_suffix.py streams).
-inline = numba.njit(cache=True, nogil=True, inline="always")
+# Kernels run without numba's runtime (NRT): with it, every array bound to a name inside a kernel (each inlined
+# helper's parameters, each call's arguments) is reference-counted with an atomic increment and decrement that
+# LLVM keeps, which perf put at 80% of a prompt's insertion (five times slower, 2026-12-04).  Without the runtime
+# a kernel cannot allocate: its scratch arrays come from the Python side.  Only the artifact conversions, which
+# build their outputs, keep it (``jit``).  Kernels keep the GIL, as the C++ tree does: they take microseconds, and
+# releasing and retaking it would add a fifth to a call's fixed cost.
+kernel = numba.njit(cache=True, _nrt=False)
+jit = numba.njit(cache=True)
+# The kernels' helpers are inlined into them at numba's IR level (fewer calls; the compiler sees the kernel whole).
+inline = numba.njit(cache=True, inline="always")
 
 # node table columns
 CNT, LEN, REF, END, PAR, HEAD, TAIL, NEXT, PREV, GRP, EPH = range(11)
@@ -51,7 +58,10 @@ EMPTY = -1
 MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (Fibonacci hashing)
 
 
-# ---- hash tables: int64 keys (EMPTY when free), int32 values, linear probing, backward-shift deletion -----
+# ---- hash tables: int64 keys, int32 values, linear probing, backward-shift deletion ---------------------
+# A table is a (2^k + 1, 2) int64 array: rows (key, generation << 32 | value), then one row whose first column
+# is the table's generation.  Only rows of that generation are in the table, so emptying it is one increment (a
+# finished request's tree is reused without touching its rows: ArrayTree.restart, clear).
 
 
 @inline
@@ -61,60 +71,82 @@ def _home(key, mask):
 
 
 @inline
-def h_get(keys, vals, key):
-    mask = len(keys) - 1
+def h_get(ht, key):
+    """The value of ``key``, or -1."""
+    mask = len(ht) - 2
+    gen = ht[mask + 1, 0]
     i = _home(key, mask)
-    while keys[i] != EMPTY:
-        if keys[i] == key:
-            return vals[i]
+    while ht[i, 1] >> 32 == gen:
+        if ht[i, 0] == key:
+            return ht[i, 1] & 0xFFFFFFFF
         i = (i + 1) & mask
     return -1
 
 
 @inline
-def h_put(keys, vals, key, val):
+def h_put(ht, key, val):
     """Set key -> val; 1 if the key is new."""
-    mask = len(keys) - 1
+    mask = len(ht) - 2
+    gen = ht[mask + 1, 0]
     i = _home(key, mask)
-    while keys[i] != EMPTY:
-        if keys[i] == key:
-            vals[i] = val
+    while ht[i, 1] >> 32 == gen:
+        if ht[i, 0] == key:
+            ht[i, 1] = (gen << 32) | val
             return 0
         i = (i + 1) & mask
-    keys[i] = key
-    vals[i] = val
+    ht[i, 0] = key
+    ht[i, 1] = (gen << 32) | val
     return 1
 
 
 @inline
-def h_del(keys, vals, key):
+def h_del(ht, key):
     """Delete key; 1 if it was there."""
-    mask = len(keys) - 1
+    mask = len(ht) - 2
+    gen = ht[mask + 1, 0]
     i = _home(key, mask)
-    while keys[i] != key:
-        if keys[i] == EMPTY:
+    while ht[i, 0] != key:
+        if ht[i, 1] >> 32 != gen:
             return 0
         i = (i + 1) & mask
+    if ht[i, 1] >> 32 != gen:  # a row of an earlier generation
+        return 0
     j = i
     while True:
         j = (j + 1) & mask
-        if keys[j] == EMPTY:
+        if ht[j, 1] >> 32 != gen:
             break
-        k = _home(keys[j], mask)
+        k = _home(ht[j, 0], mask)
         if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
-            continue  # keys[j] is between its home and i's hole: it stays
-        keys[i] = keys[j]
-        vals[i] = vals[j]
+            continue  # row j is between its home and i's hole: it stays
+        ht[i, 0] = ht[j, 0]
+        ht[i, 1] = ht[j, 1]
         i = j
-    keys[i] = EMPTY
+    ht[i, 1] = EMPTY
     return 1
 
 
-@jit
-def h_rehash(keys, vals, new_keys, new_vals):
-    for i in range(len(keys)):
-        if keys[i] != EMPTY:
-            h_put(new_keys, new_vals, keys[i], vals[i])
+@kernel
+def h_rehash(ht, new):
+    """Put ``ht``'s rows into the empty table ``new``, which takes its generation."""
+    mask = len(ht) - 2
+    gen = ht[mask + 1, 0]
+    new[len(new) - 1, 0] = gen
+    for i in range(mask + 1):
+        if ht[i, 1] >> 32 == gen:
+            h_put(new, ht[i, 0], ht[i, 1] & 0xFFFFFFFF)
+
+
+@inline
+def h_clear(ht):
+    """Empty the table: its next generation (rows rewritten only when the generation would overflow)."""
+    mask = len(ht) - 2
+    if ht[mask + 1, 0] == 0x7FFFFFFF:
+        for i in range(mask + 1):
+            ht[i, 1] = EMPTY
+        ht[mask + 1, 0] = 0
+    else:
+        ht[mask + 1, 0] += 1
 
 
 @inline
@@ -181,36 +213,36 @@ def gset(nodes, groups, meta, node, g):
 
 
 @inline
-def ep_find(nodes, eps, ekeys, evals, node, slot):
+def ep_find(nodes, eps, ehash, node, slot):
     """The record of (node, slot), or -1."""
     r = nodes[node, EPH]
     if r < 0 or eps[r, ENEXT] < 0:  # none or one record: not in the hash table
         return r if r >= 0 and eps[r, ESEQ] == slot else -1
-    return h_get(ekeys, evals, ckey(node, slot))
+    return h_get(ehash, ckey(node, slot))
 
 
-@jit
-def ep_get(nodes, eps, ekeys, evals, node, slot):
-    r = ep_find(nodes, eps, ekeys, evals, node, slot)
+@inline
+def ep_get(nodes, eps, ehash, node, slot):
+    r = ep_find(nodes, eps, ehash, node, slot)
     return -1 if r < 0 else eps[r, EEND]
 
 
 @inline
-def _ep_hash(eps, ekeys, evals, meta, r):
-    meta[M_ELIVE] += h_put(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]), r)
+def _ep_hash(eps, ehash, meta, r):
+    meta[M_ELIVE] += h_put(ehash, ckey(eps[r, ENODE], eps[r, ESEQ]), r)
 
 
 @inline
-def _ep_unhash(eps, ekeys, evals, meta, r):
-    meta[M_ELIVE] -= h_del(ekeys, evals, ckey(eps[r, ENODE], eps[r, ESEQ]))
+def _ep_unhash(eps, ehash, meta, r):
+    meta[M_ELIVE] -= h_del(ehash, ckey(eps[r, ENODE], eps[r, ESEQ]))
 
 
 @inline
-def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
+def ep_set(nodes, eps, ehash, meta, node, slot, end):
     """Record that a suffix of ``slot`` ends at ``node`` at index ``end`` (no-op in a tree without endpoints)."""
     if not meta[M_ENDPOINTS]:
         return
-    r = ep_find(nodes, eps, ekeys, evals, node, slot)
+    r = ep_find(nodes, eps, ehash, node, slot)
     if r >= 0:
         eps[r, EEND] = end
         return
@@ -230,16 +262,16 @@ def ep_set(nodes, eps, ekeys, evals, meta, node, slot, end):
     if first >= 0:
         eps[first, EPREV] = r
         if eps[first, ENEXT] < 0:  # the node's second record: the first one goes into the hash table too
-            _ep_hash(eps, ekeys, evals, meta, first)
-        _ep_hash(eps, ekeys, evals, meta, r)
+            _ep_hash(eps, ehash, meta, first)
+        _ep_hash(eps, ehash, meta, r)
 
 
 @inline
-def _ep_free(nodes, eps, ekeys, evals, meta, r):
+def _ep_free(nodes, eps, ehash, meta, r):
     node = eps[r, ENODE]
     hashed = eps[nodes[node, EPH], ENEXT] >= 0  # the node has two or more records, all in the hash table
     if hashed:
-        _ep_unhash(eps, ekeys, evals, meta, r)
+        _ep_unhash(eps, ehash, meta, r)
     nx, pv = eps[r, ENEXT], eps[r, EPREV]
     if nx >= 0:
         eps[nx, EPREV] = pv
@@ -249,25 +281,25 @@ def _ep_free(nodes, eps, ekeys, evals, meta, r):
         nodes[node, EPH] = nx
     head = nodes[node, EPH]
     if hashed and eps[head, ENEXT] < 0:  # one record left: it leaves the hash table
-        _ep_unhash(eps, ekeys, evals, meta, head)
+        _ep_unhash(eps, ehash, meta, head)
     eps[r, ENEXT] = meta[M_EFREE]
     meta[M_EFREE] = r
 
 
 @inline
-def ep_del(nodes, eps, ekeys, evals, meta, node, slot):
+def ep_del(nodes, eps, ehash, meta, node, slot):
     if not meta[M_ENDPOINTS]:
         return
-    r = ep_find(nodes, eps, ekeys, evals, node, slot)
+    r = ep_find(nodes, eps, ehash, node, slot)
     if r >= 0:
-        _ep_free(nodes, eps, ekeys, evals, meta, r)
+        _ep_free(nodes, eps, ehash, meta, r)
 
 
 @inline
-def free_node(nodes, groups, eps, ekeys, evals, meta, node):
+def free_node(nodes, groups, eps, ehash, meta, node):
     """Release a node that is out of the tree (its child keys are the caller's): endpoints, group, row."""
     while nodes[node, EPH] >= 0:
-        _ep_free(nodes, eps, ekeys, evals, meta, nodes[node, EPH])
+        _ep_free(nodes, eps, ehash, meta, nodes[node, EPH])
     gset(nodes, groups, meta, node, -1)
     nodes[node, CNT] = 0
     nodes[node, NEXT] = meta[M_NFREE]
@@ -413,7 +445,7 @@ def increment_count(nodes, groups, meta, node):
         insert_before(nodes, groups, meta, node, other)
 
 
-@jit
+@inline
 def decrement_count(nodes, groups, meta, node):
     if nodes[node, PAR] < 0:
         nodes[node, CNT] -= 1
@@ -460,21 +492,44 @@ def token_at(nodes, tokens, seqtab, node, offset):
 
 
 @inline
-def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n):
+def clear_tables(nodes, chash, ehash, meta, seqtab, actmeta, keep):
+    """Empty the tree in O(1): counters, free lists, the root's row and the hash tables (by generation; other
+    rows are initialised when taken).  ``keep`` >= 0: that open sequence's slot stays, emptied."""
+    h_clear(chash)
+    if meta[M_ENDPOINTS]:
+        h_clear(ehash)
+    meta[M_NFREE], meta[M_NHWM], meta[M_GFREE], meta[M_GHWM] = -1, 1, -1, 0
+    meta[M_EFREE], meta[M_EHWM], meta[M_CLIVE], meta[M_ELIVE] = -1, 0, 0, 0
+    for f in range(NODE_FIELDS):
+        nodes[0, f] = 0 if f == CNT or f == LEN or f == END else -1
+    if keep >= 0:
+        seqtab[keep, SLEN] = 0
+        actmeta[seqtab[keep, SROW], 0] = 0
+        actmeta[seqtab[keep, SROW], 1] = 0
+
+
+@kernel
+def k_clear(nodes, chash, ehash, meta, seqtab, actmeta):
+    """clear_tables for ArrayTree.clear (no sequence kept)."""
+    clear_tables(nodes, chash, ehash, meta, seqtab, actmeta, -1)
+
+
+@inline
+def extend_suffix(nodes, groups, eps, chash, ehash, meta, tokens, seqtab, node, token, slot, n):
     """tree.SuffixTree._extend_suffix on rows."""
-    child = h_get(ckeys, cvals, ckey(node, token))
+    child = h_get(chash, ckey(node, token))
     is_root = node == 0
     if child < 0:
         if nodes[node, CNT] == 1 and not is_root:  # a leaf only this suffix reaches: grow it
             nodes[node, LEN] += 1
             nodes[node, END] = n
-            ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
+            ep_set(nodes, eps, ehash, meta, node, slot, n)
             return node
         new = new_node(nodes, meta, 1, 1, slot, n, node)
-        ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
-        meta[M_CLIVE] += h_put(ckeys, cvals, ckey(node, token), new)
+        ep_set(nodes, eps, ehash, meta, new, slot, n)
+        meta[M_CLIVE] += h_put(chash, ckey(node, token), new)
         if not is_root:
-            ep_del(nodes, eps, ekeys, evals, meta, node, slot)
+            ep_del(nodes, eps, ehash, meta, node, slot)
         if nodes[node, HEAD] < 0:
             nodes[node, HEAD] = new
             nodes[node, TAIL] = new
@@ -492,39 +547,39 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
             nodes[child, LEN] = nodes[node, LEN] + 1
             nodes[child, REF] = slot
             nodes[child, END] = n
-            ep_set(nodes, eps, ekeys, evals, meta, child, slot, n)
+            ep_set(nodes, eps, ehash, meta, child, slot, n)
             nodes[child, PAR] = parent
             replace_in_siblings(nodes, groups, meta, node, child)
-            h_put(ckeys, cvals, ckey(parent, key), child)
-            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, token))
-            free_node(nodes, groups, eps, ekeys, evals, meta, node)
+            h_put(chash, ckey(parent, key), child)
+            meta[M_CLIVE] -= h_del(chash, ckey(node, token))
+            free_node(nodes, groups, eps, ehash, meta, node)
             return child
         nodes[node, LEN] += 1  # node grows into child by one token
         if meta[M_ENDPOINTS]:
-            eps[ep_find(nodes, eps, ekeys, evals, node, slot), EEND] += 1
+            eps[ep_find(nodes, eps, ehash, node, slot), EEND] += 1
         nodes[node, REF] = slot
         nodes[node, END] = n
         nodes[child, LEN] -= 1
         first = token_at(nodes, tokens, seqtab, child, 0)
         if first != token:
-            h_del(ckeys, cvals, ckey(node, token))
-            h_put(ckeys, cvals, ckey(node, first), child)
+            h_del(chash, ckey(node, token))
+            h_put(chash, ckey(node, first), child)
         return node
     if nodes[child, LEN] == 1:
         if not is_root:
-            ep_del(nodes, eps, ekeys, evals, meta, node, slot)
-        ep_set(nodes, eps, ekeys, evals, meta, child, slot, n)
+            ep_del(nodes, eps, ehash, meta, node, slot)
+        ep_set(nodes, eps, ehash, meta, child, slot, n)
         increment_count(nodes, groups, meta, child)
         return child
     new = new_node(nodes, meta, nodes[child, CNT], 1, slot, n, node)  # split child after its first token
     replace_in_siblings(nodes, groups, meta, child, new)
-    h_put(ckeys, cvals, ckey(node, token), new)
+    h_put(chash, ckey(node, token), new)
     nodes[child, LEN] -= 1
-    meta[M_CLIVE] += h_put(ckeys, cvals, ckey(new, token_at(nodes, tokens, seqtab, child, 0)), child)
+    meta[M_CLIVE] += h_put(chash, ckey(new, token_at(nodes, tokens, seqtab, child, 0)), child)
     nodes[child, PAR] = new
     if not is_root:
-        ep_del(nodes, eps, ekeys, evals, meta, node, slot)
-    ep_set(nodes, eps, ekeys, evals, meta, new, slot, n)
+        ep_del(nodes, eps, ehash, meta, node, slot)
+    ep_set(nodes, eps, ehash, meta, new, slot, n)
     nodes[new, HEAD] = child
     nodes[new, TAIL] = child
     gset(nodes, groups, meta, child, new_group(groups, meta, child))
@@ -532,12 +587,14 @@ def extend_suffix(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, 
     return new
 
 
-@jit
-def k_extend(
-    nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, active, actmeta, slot, new
-):
+@kernel
+def k_extend(nodes, groups, eps, chash, ehash, meta, tokens, seqtab, active, actmeta, slot, new, restart):
     """Append ``new`` to open sequence ``slot`` (tree.SuffixTree.append per token, active nodes in a ring)
-    while the tables have room for one more token (else ArrayTree._make_room grows them); the number appended."""
+    while the tables have room for one more token (else ArrayTree._make_room grows them); the number appended.
+    ``restart``: first empty the tree but for that sequence, itself emptied (ArrayTree.restart: a request's
+    start is one call)."""
+    if restart:
+        clear_tables(nodes, chash, ehash, meta, seqtab, actmeta, slot)
     depth = active.shape[1]
     row = seqtab[slot, SROW]
     base = seqtab[slot, SSTART]
@@ -547,10 +604,10 @@ def k_extend(
             seqtab[slot, SLEN] >= seqtab[slot, SCAP]
             or meta[M_NHWM] + need > len(nodes)
             or meta[M_GHWM] + 3 * need > len(groups)
-            or 2 * (meta[M_CLIVE] + need) > len(ckeys)
+            or 2 * (meta[M_CLIVE] + need) > len(chash) - 1
             or (
                 meta[M_ENDPOINTS]
-                and (meta[M_EHWM] + need > len(eps) or 2 * (meta[M_ELIVE] + 2 * need) > len(ekeys))
+                and (meta[M_EHWM] + need > len(eps) or 2 * (meta[M_ELIVE] + 2 * need) > len(ehash) - 1)
             )
         ):
             return t
@@ -578,33 +635,40 @@ def k_extend(
                 if r >= 0 and eps[r, ESEQ] == slot:  # its one endpoint, found without the hash table
                     eps[r, EEND] = n
                 else:
-                    ep_set(nodes, eps, ekeys, evals, meta, node, slot, n)
+                    ep_set(nodes, eps, ehash, meta, node, slot, n)
             else:
                 active[row, k] = extend_suffix(
-                    nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, node, token, slot, n
+                    nodes, groups, eps, chash, ehash, meta, tokens, seqtab, node, token, slot, n
                 )
             k = k + 1 if k + 1 < depth else 0
     return len(new)
 
 
-@jit
-def _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, top):
-    stack = [top]
-    while stack:
-        node = stack.pop()
+@inline
+def free_subtree(nodes, groups, eps, chash, ehash, meta, tokens, seqtab, top):
+    """Free ``top`` (already out of its parent) and everything below it, children first, without a stack: a
+    node's first child is unlinked and descended into; a node without children left is freed, then its parent
+    is resumed."""
+    node = top
+    while True:
         c = nodes[node, HEAD]
-        while c >= 0:
-            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, token_at(nodes, tokens, seqtab, c, 0)))
-            stack.append(c)
-            c = nodes[c, NEXT]
-        free_node(nodes, groups, eps, ekeys, evals, meta, node)
+        if c >= 0:
+            meta[M_CLIVE] -= h_del(chash, ckey(node, token_at(nodes, tokens, seqtab, c, 0)))
+            nodes[node, HEAD] = nodes[c, NEXT]
+            node = c
+            continue
+        parent = nodes[node, PAR]
+        free_node(nodes, groups, eps, ehash, meta, node)
+        if node == top:
+            return
+        node = parent
 
 
-@jit
-def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, slot, depth):
-    """tree.SuffixTree.remove on rows (any leaf below a node serves to re-point it)."""
+@kernel
+def k_remove(nodes, groups, eps, chash, ehash, meta, tokens, seqtab, slot, path):
+    """tree.SuffixTree.remove on rows (any leaf below a node serves to re-point it); ``path``: scratch for
+    max_depth + 1 nodes."""
     base, n = seqtab[slot, SSTART], seqtab[slot, SLEN]
-    path = np.empty(depth + 1, np.int32)
     for start in range(n):
         node = 0
         nodes[0, CNT] -= 1
@@ -612,17 +676,17 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
         plen = 0
         while idx < n:
             tok = tokens[base + idx]
-            child = h_get(ckeys, cvals, ckey(node, tok))
+            child = h_get(chash, ckey(node, tok))
             if child < 0:
                 break
             if nodes[child, CNT] > 1:
                 decrement_count(nodes, groups, meta, child)
             else:  # the child and its whole subtree go
                 remove_from_siblings(nodes, groups, meta, child)
-                meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, tok))
-                _free_subtree(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqtab, child)
+                meta[M_CLIVE] -= h_del(chash, ckey(node, tok))
+                free_subtree(nodes, groups, eps, chash, ehash, meta, tokens, seqtab, child)
                 break
-            ep_del(nodes, eps, ekeys, evals, meta, child, slot)
+            ep_del(nodes, eps, ehash, meta, child, slot)
             idx += nodes[child, LEN]
             node = child
             path[plen] = node
@@ -636,9 +700,9 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
             nodes[only, LEN] += nodes[node, LEN]
             nodes[only, PAR] = parent
             replace_in_siblings(nodes, groups, meta, node, only)
-            h_put(ckeys, cvals, ckey(parent, key), only)
-            meta[M_CLIVE] -= h_del(ckeys, cvals, ckey(node, old_key))
-            free_node(nodes, groups, eps, ekeys, evals, meta, node)
+            h_put(chash, ckey(parent, key), only)
+            meta[M_CLIVE] -= h_del(chash, ckey(node, old_key))
+            free_node(nodes, groups, eps, ehash, meta, node)
             node = only
             path[plen - 1] = node
         leaf, distance = node, 0
@@ -646,7 +710,7 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
             leaf = nodes[leaf, HEAD]
             distance += nodes[leaf, LEN]
         r = nodes[leaf, EPH]
-        if r < 0 or ep_get(nodes, eps, ekeys, evals, leaf, slot) >= 0:
+        if r < 0 or ep_get(nodes, eps, ehash, leaf, slot) >= 0:
             continue  # visited again later in this removal
         ref, end = eps[r, ESEQ], eps[r, EEND] - distance
         for k in range(plen - 1, -1, -1):
@@ -661,12 +725,12 @@ def k_remove(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, tokens, seqta
 
 
 @inline
-def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, pos_off, npos):
+def match_positions(nodes, chash, tokens, seqtab, ctx, start, pos_node, pos_off, npos):
     """Append the positions of ctx's tails of length start, start + 1, ... < len(ctx) while they occur."""
     n = len(ctx)
     for p in range(start, n):
         i = n - p
-        node = h_get(ckeys, cvals, ckey(0, ctx[i]))
+        node = h_get(chash, ckey(0, ctx[i]))
         if node < 0:
             break
         k = 0
@@ -683,7 +747,7 @@ def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, p
             i += k
             if i == n:
                 break
-            node = h_get(ckeys, cvals, ckey(node, ctx[i]))
+            node = h_get(chash, ckey(node, ctx[i]))
             if node < 0:
                 break
         if node < 0:
@@ -695,7 +759,7 @@ def match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, start, pos_node, p
 
 
 @inline
-def tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off):
+def tail_positions(nodes, chash, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off):
     """SuffixTree.tail_positions: from ``slot``'s active nodes when ctx ends with that open sequence."""
     m = len(ctx)
     if slot < 0 or seqtab[slot, SROW] < 0 or m == 0:
@@ -716,7 +780,7 @@ def tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, c
         pos_node[q] = node
         pos_off[q] = nodes[node, LEN]
     if n == length and n < m - 1:
-        npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, n + 1, pos_node, pos_off, npos)
+        npos = match_positions(nodes, chash, tokens, seqtab, ctx, n + 1, pos_node, pos_off, npos)
     return npos
 
 
@@ -797,10 +861,9 @@ def _heap_pop(hp, hi, size):
 
 
 @inline
-def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob):
-    """SuffixTree.speculate_tree: best-first expansion; (number of tokens, score)."""
-    hp = np.empty(64, np.float64)
-    hi = np.empty((64, 4), np.int64)
+def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_tok, out_par, out_prob, hp, hi):
+    """SuffixTree.speculate_tree: best-first expansion on the heap (hp, hi); (number of tokens, score), or
+    (-1, 0.0) when the heap is full (the caller gives a bigger one)."""
     size = _heap_push(hp, hi, 0, -1.0, 0, node, offset, -1)
     order, n, score = 1, 0, 0.0
     while size > 0 and n < max_tokens:
@@ -812,9 +875,7 @@ def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
             out_prob[n] = -neg_p
             n += 1
             score = _f32(score - neg_p)
-            if size == len(hp):
-                hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
-            size = _heap_push(hp, hi, size, neg_p, order, nd, o + 1, n - 1)
+            size = _heap_push(hp, hi, size, neg_p, order, nd, o + 1, n - 1)  # popped one, so it fits
             order += 1
         else:
             child = nodes[nd, HEAD]
@@ -823,18 +884,17 @@ def tree_draft(nodes, tokens, seqtab, node, offset, max_tokens, min_prob, out_to
                 if p < min_prob:
                     break
                 if size == len(hp):
-                    hp, hi = np.concatenate((hp, hp)), np.concatenate((hi, hi))
+                    return -1, 0.0
                 size = _heap_push(hp, hi, size, -p, order, child, 0, parent)
                 order += 1
                 child = nodes[child, NEXT]
     return n, score
 
 
-@jit
+@kernel
 def k_speculate(
     nodes,
-    ckeys,
-    cvals,
+    chash,
     tokens,
     seqtab,
     active,
@@ -846,19 +906,20 @@ def k_speculate(
     max_spec,
     min_prob,
     tree,
-    ids,
+    ints,
     probs,
+    hp,
+    hi,
 ):
-    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open), its tokens and parents written into the rows
-    of ``ids`` and its probabilities into ``probs`` (``max_spec`` columns or more): (tokens, score, match_len)."""
-    m = len(ctx)
-    pos_node = np.empty(max(m, 1), np.int64)
-    pos_off = np.empty(max(m, 1), np.int64)
-    npos = tail_positions(nodes, ckeys, cvals, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off)
+    """Best draft over ``ctx``'s tails (SuffixTree.speculate_open): (tokens, score, match_len), its tokens and
+    parents in rows 0-1 of ``ints`` and its probabilities in row 0 of ``probs``; (-1, 0.0, 0) when the heap
+    (``hp``, ``hi``) was too small for a tree draft.  Scratch: ``ints`` rows 2-3 and ``probs`` row 1 hold a
+    tree draft being scored, rows 4-5 the match positions (node, offset); both have max(max_spec, len(ctx))
+    columns or more."""
+    pos_node, pos_off = ints[4], ints[5]
+    npos = tail_positions(nodes, chash, tokens, seqtab, active, actmeta, slot, ctx, pos_node, pos_off)
     if npos == 0 and walk:
-        npos = match_positions(nodes, ckeys, cvals, tokens, seqtab, ctx, 1, pos_node, pos_off, 0)
-    cand_ids = np.empty((2, max_spec if tree else 0), np.int64)  # a tree draft is built to be scored
-    cand_probs = np.empty(max_spec if tree else 0)
+        npos = match_positions(nodes, chash, tokens, seqtab, ctx, 1, pos_node, pos_off, 0)
     best_score, best_p, best_n, best_node, best_off, best_budget = -1.0, 0, 0, 0, 0, 0
     slack = 1 + 1e-5 if tree else 1.0
     for r in range(len(order)):
@@ -869,26 +930,30 @@ def k_speculate(
         if b < best_score or (b == best_score and p < best_p):
             break
         node, off = pos_node[p - 1], pos_off[p - 1]
-        if tree:
+        if tree:  # a tree draft is built to be scored
             n, score = tree_draft(
-                nodes, tokens, seqtab, node, off, budget, min_prob, cand_ids[0], cand_ids[1], cand_probs
+                nodes, tokens, seqtab, node, off, budget, min_prob, ints[2], ints[3], probs[1], hp, hi
             )
+            if n < 0:
+                return -1, 0.0, 0
         else:
-            n, score = path_draft(nodes, tokens, seqtab, node, off, budget, min_prob, ids[0], probs, False)
+            n, score = path_draft(
+                nodes, tokens, seqtab, node, off, budget, min_prob, ints[0], probs[0], False
+            )
         if score > best_score or (score == best_score and p > best_p):
             best_score, best_p, best_n = score, p, n
             best_node, best_off, best_budget = node, off, budget
             if tree:
-                ids[:, :n] = cand_ids[:, :n]
-                probs[:n] = cand_probs[:n]
+                for i in range(n):
+                    ints[0, i], ints[1, i], probs[0, i] = ints[2, i], ints[3, i], probs[1, i]
     if best_p == 0:
         return 0, 0.0, 0
     if not tree:
         best_n, best_score = path_draft(
-            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, ids[0], probs, True
+            nodes, tokens, seqtab, best_node, best_off, best_budget, min_prob, ints[0], probs[0], True
         )
         for i in range(best_n):
-            ids[1, i] = i - 1
+            ints[1, i] = i - 1
     return best_n, best_score, best_p
 
 
@@ -922,14 +987,14 @@ def k_to_arrays(nodes, eps, slot_index):
 
 
 @jit
-def k_from_arrays(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, columns, first, ep_rows):
+def k_from_arrays(nodes, groups, eps, chash, ehash, meta, columns, first, ep_rows):
     """Inverse of k_to_arrays into empty tables (sequence index = slot); the first node out of count order
     (1-based), or 0."""
     nodes[0, CNT] = columns[0, 1]
     for i in range(1, len(columns)):
         p, c = columns[i, 0], columns[i, 1]
         node = new_node(nodes, meta, c, columns[i, 2], columns[i, 3], columns[i, 4], p)
-        meta[M_CLIVE] += h_put(ckeys, cvals, ckey(p, first[i]), node)
+        meta[M_CLIVE] += h_put(chash, ckey(p, first[i]), node)
         last = nodes[p, TAIL]
         if last < 0:
             nodes[p, HEAD] = node
@@ -948,46 +1013,40 @@ def k_from_arrays(nodes, groups, eps, ckeys, cvals, ekeys, evals, meta, columns,
                 groups[nodes[last, GRP], GNEXT] = g
         nodes[p, TAIL] = node
     for i in range(len(ep_rows)):
-        ep_set(nodes, eps, ekeys, evals, meta, ep_rows[i, 0], ep_rows[i, 1], ep_rows[i, 2])
+        ep_set(nodes, eps, ehash, meta, ep_rows[i, 0], ep_rows[i, 1], ep_rows[i, 2])
     return 0
 
 
 # ---- the Python side -----------------------------------------------------------------------------------
 
 
-_EMPTY_META = np.array([-1, 1, -1, 0, -1, 0, 0, 0, 0], np.int64)  # free lists empty, row 0 is the root
-_ROOT_ROW = np.array([0 if f in (CNT, LEN, END) else -1 for f in range(NODE_FIELDS)], np.int32)
+def _through_entry(name: str, kernel):
+    """``kernel`` for this module's global ``name``: called through numba's dispatcher once, which then rebinds
+    ``name`` to the compiled entry point.  The dispatcher types every argument on every call (~5 µs for the 14
+    arguments here, as much as a whole append) and a Python wrapper would add a frame to every call; ArrayTree
+    always passes the same types (its tables, ``array('i')`` tokens, Python ints, floats and bools)."""
 
-
-class _Entry:
-    """A kernel called through its compiled entry point after the first call: numba's dispatcher types every
-    argument on every call (~5 µs for the 14 arguments here, as much as a whole append); ArrayTree always
-    passes the same types (fresh int32 arrays, Python ints, floats and bools)."""
-
-    __slots__ = ("entry", "kernel")
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.entry = kernel, None
-
-    def __call__(self, *args):
-        if self.entry is not None:
-            return self.entry(*args)
-        out = self.kernel(*args)
-        self.entry = self.kernel.overloads[tuple(numba.typeof(a) for a in args)].entry_point
+    def first_call(*args):
+        out = kernel(*args)
+        globals()[name] = kernel.overloads[tuple(numba.typeof(a) for a in args)].entry_point
         return out
 
+    return first_call
 
-_extend, _speculate = _Entry(k_extend), _Entry(k_speculate)
+
+_extend = _through_entry("_extend", k_extend)
+_speculate = _through_entry("_speculate", k_speculate)
+_clear = _through_entry("_clear", k_clear)
 
 
-def _int32(tokens: Iterable[int]) -> np.ndarray:
-    """``tokens`` as a writable int32 array for a kernel (which only reads it): a view of the ``array('i')``
-    the cache passes, else a copy (a caller's read-only array would not match the kernels' entry points)."""
+def _tokens(tokens: Iterable[int]) -> array:
+    """``tokens`` as the ``array('i')`` the kernels take (numba reads it through the buffer protocol, which costs
+    less per call than a numpy array); the cache's own arrays pass through."""
     if isinstance(tokens, array) and tokens.typecode == "i":
-        return np.frombuffer(tokens, np.int32)
-    if not isinstance(tokens, list | tuple | np.ndarray):
-        tokens = list(tokens)
-    return np.array(tokens, np.int32)
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return array("i", np.ascontiguousarray(tokens, np.int32).tobytes())
+    return array("i", tokens)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -1030,20 +1089,24 @@ class ArrayTree:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
         self.endpoints = endpoints
-        rows = 4 * (max_depth + 1)  # room for a few tokens; tables double when a token might not fit
+        # room for one token (a request tree that stays empty allocates little); tables grow when a token
+        # might not fit, for all of a prompt at once
+        rows = 2 * (max_depth + 1)
         self.nodes = np.empty((rows, NODE_FIELDS), np.int32)
-        self.groups = np.empty((4 * rows, 4), np.int32)
-        self.ckeys, self.cvals = self._hash_table(4 * rows)
+        self.groups = np.empty((2 * rows, 4), np.int32)
+        self.chash = self._hash_table(2 * rows)
         ep_rows = rows if endpoints else 1  # kernels never touch a tree's endpoint tables without endpoints
         self.eps = np.empty((ep_rows, 5), np.int32)
-        self.ekeys, self.evals = self._hash_table(4 * ep_rows)
-        self.meta = np.zeros(9, np.int64)  # no live hash keys: clear() leaves the fresh tables as they are
-        self.tokens = np.empty(4096, np.int32)
+        self.ehash = self._hash_table(2 * ep_rows)
+        self.meta = np.zeros(9, np.int64)
+        self.meta[M_ENDPOINTS] = endpoints
+        self.tokens = np.empty(256, np.int32)
         self.seqtab = np.empty((16, 4), np.int64)
         self.active = np.empty((4, max_depth), np.int32)
         self.actmeta = np.empty((4, 2), np.int32)
         self.seqs = _Seqs(self)
-        self._draft_ids, self._draft_probs = np.empty((2, 32), np.int64), np.empty(32)  # the kernel's output
+        self._spec_ints, self._spec_probs = np.empty((6, 64), np.int64), np.empty((2, 64))  # k_speculate's
+        self._heap_p, self._heap_i = np.empty(64), np.empty((64, 4), np.int64)  # scratch and output
         self._free_slots: list[int] = []
         self._free_rows: list[int] = []  # of the active-node table
         self._slot: dict[int, int] = {}  # seq id -> slot
@@ -1054,14 +1117,8 @@ class ArrayTree:
 
     def clear(self) -> None:
         """Remove every sequence, keeping the allocated tables (a finished request's tree serves the next one:
-        allocating the tables costs more than a short prompt's insertion)."""
-        meta = self.meta
-        for keys, live in ((self.ckeys, meta[M_CLIVE]), (self.ekeys, meta[M_ELIVE])):
-            if live:
-                keys.base.fill(EMPTY)
-        meta[:] = _EMPTY_META
-        meta[M_ENDPOINTS] = self.endpoints
-        self.nodes[0] = _ROOT_ROW  # other rows are initialised when taken
+        allocating the tables costs more than a short prompt's insertion); O(1) but for the Python maps."""
+        _clear(self.nodes, self.chash, self.ehash, self.meta, self.seqtab, self.actmeta)
         self._tok_used = 0
         self._garbage = 0
         self._n_slots = 0
@@ -1070,6 +1127,19 @@ class ArrayTree:
         self._slot.clear()
         self._open.clear()
         self._id_of.clear()
+
+    def restart(self, tokens: Iterable[int]) -> None:
+        """Clear the tree and add ``tokens`` as open sequence 0 (a finished request's tree serving the next
+        request): a tree whose only sequence is an open sequence 0 keeps its slot and token segment, and the
+        whole start is one kernel call."""
+        slot = self._open.get(0) if len(self._slot) == 1 else None
+        if slot is None:
+            self.clear()
+            self.extend(0, tokens)
+            return
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, True)) < len(new):
+            self._extend_rest(slot, new, done)
 
     @property
     def root_count(self) -> int:
@@ -1084,16 +1154,17 @@ class ArrayTree:
         return new
 
     @staticmethod
-    def _hash_table(size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, values) of an empty table: the two columns of one array, so a probe reads one cache line."""
-        table = np.full((_pow2_at_least(size), 2), EMPTY, np.int64)
-        return table[:, 0], table[:, 1]
+    def _hash_table(size: int) -> np.ndarray:
+        """An empty hash table for ``size`` rows or more (h_get)."""
+        table = np.full((_pow2_at_least(size) + 1, 2), EMPTY, np.int64)
+        table[-1, 0] = 0
+        return table
 
     @classmethod
-    def _rehashed(cls, keys: np.ndarray, vals: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        new_keys, new_vals = cls._hash_table(size)
-        h_rehash(keys, vals, new_keys, new_vals)
-        return new_keys, new_vals
+    def _rehashed(cls, table: np.ndarray, size: int) -> np.ndarray:
+        new = cls._hash_table(size)
+        h_rehash(table, new)
+        return new
 
     def _make_room(self, slot: int, n_tokens: int) -> None:
         """Grow what :func:`k_extend` found short for one more token of ``n_tokens`` to come: doubled, or sized
@@ -1104,23 +1175,25 @@ class ArrayTree:
             self.nodes = self._grown(self.nodes, max(2 * len(self.nodes), meta[M_NHWM] + rows), -1)
         if meta[M_GHWM] + 3 * need > len(self.groups):
             self.groups = self._grown(self.groups, max(2 * len(self.groups), meta[M_GHWM] + rows))
-        if 2 * (meta[M_CLIVE] + need) > len(self.ckeys):
-            size = max(2 * len(self.ckeys), 2 * (meta[M_CLIVE] + rows))
-            self.ckeys, self.cvals = self._rehashed(self.ckeys, self.cvals, size)
+        if 2 * (meta[M_CLIVE] + need) > len(self.chash) - 1:
+            size = max(2 * (len(self.chash) - 1), 2 * (meta[M_CLIVE] + rows))
+            self.chash = self._rehashed(self.chash, size)
         if self.endpoints and meta[M_EHWM] + need > len(self.eps):
             self.eps = self._grown(self.eps, max(2 * len(self.eps), meta[M_EHWM] + rows))
-        if self.endpoints and 2 * (meta[M_ELIVE] + 2 * need) > len(self.ekeys):  # a record can hash two
-            size = max(2 * len(self.ekeys), 2 * (meta[M_ELIVE] + rows))
-            self.ekeys, self.evals = self._rehashed(self.ekeys, self.evals, size)
+        if self.endpoints and 2 * (meta[M_ELIVE] + 2 * need) > len(self.ehash) - 1:  # a record can hash two
+            size = max(2 * (len(self.ehash) - 1), 2 * (meta[M_ELIVE] + rows))
+            self.ehash = self._rehashed(self.ehash, size)
         self._token_room(slot, n_tokens)
         self._refresh()
 
     def _token_room(self, slot: int, n_tokens: int) -> None:
-        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled)."""
+        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled, at least
+        256 tokens: each growth is a trip through Python, and a response of a few hundred tokens then grows its
+        segment twice, not six times)."""
         start, length, cap, _ = self.seqtab[slot]
         if length + n_tokens <= cap:
             return
-        new_cap = max(2 * int(cap), int(length) + n_tokens, 16)
+        new_cap = max(2 * int(cap), int(length) + n_tokens, 256)
         if self._tok_used + new_cap > len(self.tokens):
             if self._garbage > len(self.tokens) // 2:
                 self._compact()
@@ -1146,15 +1219,14 @@ class ArrayTree:
         self.tokens, self._tok_used, self._garbage = pool, used, 0
 
     def _tables(self) -> tuple:
-        return (self.nodes, self.groups, self.eps, self.ckeys, self.cvals, self.ekeys, self.evals, self.meta)
+        return (self.nodes, self.groups, self.eps, self.chash, self.ehash, self.meta)
 
     def _refresh(self) -> None:
         """Rebind the kernels' argument tuples after a table was replaced (grown, rehashed, compacted)."""
         self._ext_args = (*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta)
         self._spec_args = (
             self.nodes,
-            self.ckeys,
-            self.cvals,
+            self.chash,
             self.tokens,
             self.seqtab,
             self.active,
@@ -1188,14 +1260,18 @@ class ArrayTree:
 
     def extend(self, seq_id: int, tokens: Iterable[int]) -> None:
         """Append tokens to sequence ``seq_id`` (new or still open); O(max_depth) each."""
-        new = _int32(tokens)
         slot = self._open.get(seq_id)
         if slot is None:
             slot = self._open_slot(seq_id)
-        done = _extend(*self._ext_args, slot, new)
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, False)) < len(new):
+            self._extend_rest(slot, new, done)
+
+    def _extend_rest(self, slot: int, new: array, done: int) -> None:
+        """What k_extend left of ``new`` after ``done`` tokens, growing the tables it found short."""
         while done < len(new):
             self._make_room(slot, len(new) - done)
-            done += _extend(*self._ext_args, slot, new[done:].copy())
+            done += _extend(*self._ext_args, slot, new[done:], False)
 
     def append(self, seq_id: int, token: int) -> None:
         self.extend(seq_id, [token])
@@ -1220,7 +1296,8 @@ class ArrayTree:
         self.close(seq_id)
         slot = self._slot.pop(seq_id)
         del self._id_of[slot]
-        k_remove(*self._tables(), self.tokens, self.seqtab, slot, self.max_depth)
+        path = np.empty(self.max_depth + 1, np.int32)
+        k_remove(*self._tables(), self.tokens, self.seqtab, slot, path)
         self._garbage += int(self.seqtab[slot, SCAP])
         self.seqtab[slot] = (0, 0, 0, -1)
         self._free_slots.append(slot)
@@ -1254,25 +1331,35 @@ class ArrayTree:
     ) -> Draft:
         """:meth:`.tree.SuffixTree.speculate_open` (same arguments, same draft)."""
         slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
-        ctx = _int32(context)
+        ctx = _tokens(context)
         order = _order_array(self.max_depth, max_spec, factor, offset)
-        if len(self._draft_probs) < max_spec:
-            self._draft_ids, self._draft_probs = np.empty((2, max_spec), np.int64), np.empty(max_spec)
-        ids, probs = self._draft_ids, self._draft_probs
-        n, score, match_len = _speculate(
-            *self._spec_args,
-            slot,
-            ctx,
-            bool(walk),
-            order,
-            int(max_spec),
-            f32(min_token_prob),
-            bool(tree),
-            ids,
-            probs,
-        )
-        tokens, parents = ids[:, :n].tolist()
-        return Draft(tokens, parents, probs[:n].tolist(), match_len, score)
+        if self._spec_probs.shape[1] < max(max_spec, len(ctx)):
+            size = _pow2_at_least(max(max_spec, len(ctx)))
+            self._spec_ints, self._spec_probs = np.empty((6, size), np.int64), np.empty((2, size))
+        ints, probs = self._spec_ints, self._spec_probs
+        while True:
+            n, score, match_len = _speculate(
+                *self._spec_args,
+                slot,
+                ctx,
+                bool(walk),
+                order,
+                int(max_spec),
+                f32(min_token_prob),
+                bool(tree),
+                ints,
+                probs,
+                self._heap_p,
+                self._heap_i,
+            )
+            if n >= 0:
+                break
+            self._heap_p, self._heap_i = (
+                np.empty(2 * len(self._heap_p)),
+                np.empty((2 * len(self._heap_p), 4), np.int64),
+            )
+        tokens, parents = ints[:2, :n].tolist()
+        return Draft(tokens, parents, probs[0, :n].tolist(), match_len, score)
 
     def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
         """Best draft for the tails of ``context`` shorter than it, each walked from the root."""
@@ -1306,8 +1393,8 @@ class ArrayTree:
         tree.nodes = tree._grown(tree.nodes, n_nodes + 1, -1)
         tree.groups = tree._grown(tree.groups, n_nodes + 1)
         tree.eps = tree._grown(tree.eps, n_eps + 1)
-        tree.ckeys, tree.cvals = tree._rehashed(tree.ckeys, tree.cvals, 2 * n_nodes + 1)
-        tree.ekeys, tree.evals = tree._rehashed(tree.ekeys, tree.evals, 2 * n_eps + 1)
+        tree.chash = tree._rehashed(tree.chash, 2 * n_nodes + 1)
+        tree.ehash = tree._rehashed(tree.ehash, 2 * n_eps + 1)
         bad = k_from_arrays(*tree._tables(), columns, first, ep_rows)
         if bad:
             raise ValueError(f"node {bad} is out of count order")
@@ -1329,14 +1416,15 @@ class ArrayTree:
             self.groups,
             self.eps,
             self.meta,
+            self.chash,
+            self.ehash,
             self.tokens,
             self.seqtab,
             self.active,
             self.actmeta,
         )
-        hashes = (self.ckeys.base, self.ekeys.base)  # keys and values are the columns of one array each
         maps = (self._slot, self._id_of, self._open)
-        return sum(a.nbytes for a in arrays + hashes) + sum(map(sys.getsizeof, maps))
+        return sum(a.nbytes for a in arrays) + sum(map(sys.getsizeof, maps))
 
 
 _ORDERS: dict[tuple, np.ndarray] = {}

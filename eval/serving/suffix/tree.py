@@ -316,6 +316,11 @@ class SuffixTree:
         self.seqs: dict[int, array] = {}
         self._active: dict[int, deque[_Node]] = {}
 
+    def restart(self, tokens: Iterable[int]) -> None:
+        """Clear the tree and add ``tokens`` as open sequence 0 (a finished request's tree serving the next one)."""
+        self.clear()
+        self.extend(0, tokens)
+
     # ---- building -------------------------------------------------------------------------------------
 
     def append(self, seq_id: int, token: int) -> None:

@@ -190,21 +190,24 @@ def node_table(tree: ArrayTree) -> np.ndarray:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_request_tree_has_the_full_trees_nodes_and_drafts_and_is_reusable(seed):
-    """A request's tree (no endpoints), fresh or cleared after an earlier request, makes the same node updates
-    as a tree with endpoints and gives the object tree's drafts."""
+    """A request's tree (no endpoints), fresh, restarted after an earlier request (its slot kept, its hash
+    tables emptied by a generation step) or cleared, makes the same node updates as a tree with endpoints and
+    gives the object tree's drafts."""
     rng = random.Random(seed)
     depth, vocab = rng.randint(1, 12), rng.randint(1, 6)
     reused = ArrayTree.for_request(depth)
-    reused.extend(0, [rng.randrange(vocab) for _ in range(rng.randint(0, 300))])
-    reused.clear()
-    for _ in range(2):  # two requests through the same reused tree
+    reused.restart([rng.randrange(vocab) for _ in range(rng.randint(0, 300))])
+    for request in range(3):  # requests through the same reused tree: restarted, restarted, cleared
         full, py, fresh = ArrayTree(depth), SuffixTree(depth), ArrayTree.for_request(depth)
         seq: list[int] = []
-        for _ in range(rng.randint(1, 12)):
+        if request == 2:
+            reused.clear()
+        for step in range(rng.randint(1, 12)):
             new = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
             seq += new
-            for t in (full, py, fresh, reused):
+            for t in (full, py, fresh):
                 t.extend(0, new)
+            reused.restart(new) if step == 0 and request < 2 else reused.extend(0, new)
             assert np.array_equal(node_table(full), node_table(fresh))
             assert np.array_equal(node_table(full), node_table(reused))
             ctx = seq[-rng.randint(1, depth + 2) :]
@@ -213,8 +216,42 @@ def test_request_tree_has_the_full_trees_nodes_and_drafts_and_is_reusable(seed):
             )
             for t in (fresh, reused):
                 same_draft(py.speculate_open(0, ctx, False, **kw), t.speculate_open(0, ctx, False, **kw))
-        reused.clear()
+        assert reused.root_count == len(seq) and list(reused.seqs[0]) == seq
     with pytest.raises(ValueError, match="endpoints"):
         fresh.remove(0)
     with pytest.raises(ValueError, match="endpoints"):
         tree_to_arrays(fresh, [0])
+
+
+def test_hash_generation_wraps_around():
+    """A tree emptied at the last generation rewrites its hash rows and counts again from 0: it then grows into
+    the same trie as a fresh tree."""
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4) for _ in range(80)] for _ in range(2)]
+    tree = ArrayTree.for_request(6)
+    tree.restart(seqs[0])
+    tree.chash[-1, 0] = 0x7FFFFFFE  # as if emptied that often (the rows written are of an earlier generation)
+    tree.restart(seqs[0])  # rows of the last generation
+    assert tree.chash[-1, 0] == 0x7FFFFFFF
+    tree.restart(seqs[1])
+    assert tree.chash[-1, 0] == 0
+    fresh = ArrayTree.for_request(6)
+    fresh.extend(0, seqs[1])
+    assert np.array_equal(node_table(tree), node_table(fresh))
+    py = SuffixTree(6)
+    py.extend(0, seqs[1])
+    for k in range(1, 7):
+        same_draft(py.speculate(seqs[1][-k:], 8, tree=True), tree.speculate(seqs[1][-k:], 8, tree=True))
+
+
+def test_tree_draft_with_more_candidates_than_the_heap_holds():
+    """A node with 200 children and no probability floor: the draft's heap outgrows its first size, and the
+    speculation is retried with a larger one (same draft as the object tree)."""
+    seq = [t for k in range(200) for t in (0, k + 1)]
+    py, tree = SuffixTree(4), ArrayTree(4)
+    py.extend(0, seq)
+    tree.extend(0, seq)
+    assert len(tree._heap_p) < 200
+    kw = dict(max_spec=64, factor=64.0, min_token_prob=0.0, tree=True)
+    same_draft(py.speculate([0, 0], **kw), tree.speculate([0, 0], **kw))
+    assert len(tree._heap_p) >= 200
