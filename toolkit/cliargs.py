@@ -30,6 +30,21 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, "_parser_prog"):  # the innermost sub-command's parser parses first
+            namespace._parser_prog = self.prog
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unrecognized argument is reported by the sub-command that was given it, so that
+        the line points at ``swiftkv quality --help`` rather than the command list."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        prog = vars(namespace).pop("_parser_prog", self.prog)
+        if extras:
+            ArgumentParser(prog=prog).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
     def error(self, message: str) -> None:  # argparse's hook; never returns
         print(f"error: {self.prog}: {message} (to resolve, see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(2)
