@@ -49,7 +49,9 @@ def test_unknown_command_is_one_line_with_status_2(capsys):
 
 @pytest.mark.parametrize("name", ["quality", "info", "fetch", "suffix build"])
 def test_an_unknown_argument_points_at_its_own_commands_help(name, capsys):
-    positional = {"fetch": ["all"], "suffix build": [str(ROOT), "--out", str(ROOT / "x")]}.get(name, [str(ROOT)])
+    positional = {"fetch": ["all"], "suffix build": [str(ROOT), "--out", str(ROOT / "x")]}.get(
+        name, [str(ROOT)]
+    )
     assert main([*name.split(), *positional, "--no-such-flag"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
