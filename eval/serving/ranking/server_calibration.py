@@ -40,6 +40,7 @@ MAX_LINE = 1 << 20  # bytes of one response line (an SSE event); longer is not a
 MAX_BODY = 1 << 20
 TOKEN_RANGE = (100, 1100)  # ordinary token ids in every vocabulary of interest (specials sit below 100)
 DECODE_PROMPT_TOKENS = 16
+OVERLAP_TRIES = 3  # sends of one decode batch before its streams' not overlapping is the server's doing
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,6 @@ def served_model(endpoint: Endpoint, timeout: float = 30) -> str:
     if len(ids) != 1:
         raise ValueError(f"the server serves {ids}; to resolve, name one with --served-model")
     return ids[0]
-
-
-OVERLAP_TRIES = 3  # sends of one decode batch before its streams' not overlapping is the server's doing
 
 
 def stream_completion(endpoint: Endpoint, prompt: list[int], max_tokens: int, timeout: float) -> Stream:
