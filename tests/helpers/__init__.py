@@ -13,6 +13,7 @@ hooks.  Nothing here imports pytest at module level, so scripts may use these mo
 - ``tale``: a tiny model with TALE (kvcompress) attention, its factors and a lossy policy
 - ``suffix``: suffix trees as tries, brute-force counts, a filled suffix cache
 - ``ranking``: synthetic ShareGPT prompts whose words decide the reply length, a trained ranker
+- ``ranking_proxy``: a fake vLLM behind the ranking proxy (records, holds, aborts, FCFS refusals), raw-socket clients
 - ``faults``: launches that the test kills at a named point (also the wrapper the ranks run under)
 - ``distill_runs``: recipes, runs and resumes of real distillations of the tiny chat model
 - ``zero3_run``: a distillation run that records ZeRO-3 partitioning (an ``accelerate launch`` target)

@@ -44,6 +44,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_parser() -> ArgumentParser:
+    from .proxy import CLIENT_TIMEOUT, MAX_CONNECTIONS
     from .train import TrainConfig
 
     parser, sub = command_parser(
@@ -90,6 +91,29 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--scale", type=float, default=1000.0, help="priority = -round(score * scale)")
     p.add_argument(
         "--oracle", action="store_true", help="benchmarks only: priority = the request's max_tokens"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=MAX_CONNECTIONS,
+        help=f"connections served at once; the next get a 503 (default {MAX_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=_positive_float,
+        default=CLIENT_TIMEOUT,
+        help="seconds a client may take to send a request or idle between requests; then it is dropped "
+        f"(default {CLIENT_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--skip-upstream-check",
+        action="store_true",
+        help="start without probing that the upstream accepts a request priority",
+    )
+    p.add_argument(
+        "--honour-client-priority",
+        action="store_true",
+        help="keep a priority the client sent (trusted clients only); by default the ranker's replaces it",
     )
 
     p = sub.add_parser(
@@ -183,6 +207,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (checked before any work)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -218,7 +253,18 @@ def _command(args) -> str | None:
     if args.command == "proxy":
         from .proxy import serve
 
-        serve(args.ranker, args.upstream, args.host, args.port, args.scale, args.oracle)
+        serve(
+            args.ranker,
+            args.upstream,
+            args.host,
+            args.port,
+            args.scale,
+            args.oracle,
+            max_connections=args.max_connections,
+            client_timeout=args.client_timeout,
+            check_upstream=not args.skip_upstream_check,
+            honour_client_priority=args.honour_client_priority,
+        )
         return None
     if args.command == "proxy-overhead":
         from .proxy import overhead_ms

@@ -3,88 +3,26 @@ passes through as it is produced, FCFS fallback on every kind of ranker failure,
 
 import http.client
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers.ranking_proxy import fake_upstream, start, stop
 
-from eval.serving.ranking.labels import sharegpt_lengths
 from eval.serving.ranking.proxy import Prioritizer, _encoder, make_server, overhead_ms, prompt_of
-from eval.serving.ranking.train import TrainConfig, train_ranker
-
-
-class FakeUpstream(BaseHTTPRequestHandler):
-    """Records each request; streams two SSE events 0.4 s apart for `"stream": true`, else one JSON body."""
-
-    protocol_version = "HTTP/1.1"
-    seen: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        self._reply(200, b'{"data": [{"id": "m"}]}')
-
-    def do_POST(self):
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.seen.append((self.path, raw, dict(self.headers)))
-        try:
-            stream = json.loads(raw).get("stream")
-        except ValueError:
-            self._reply(400, b'{"error": "bad json"}')
-            return
-        if not stream:
-            self._reply(200, b'{"choices": [{"text": "ok"}]}')
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for i, event in enumerate([b'data: {"text": "a"}\n\n', b"data: [DONE]\n\n"]):
-            if i:
-                time.sleep(0.4)
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-            self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
-
-    def _reply(self, status, payload):
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-
-def start(server):
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 @pytest.fixture(scope="module")
 def upstream():
-    FakeUpstream.seen = []
-    server = start(ThreadingHTTPServer(("127.0.0.1", 0), FakeUpstream))
+    server = fake_upstream()
     yield server
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture(scope="module")
-def ranker_dir(sharegpt_file, tokenizer_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("proxy")
-    sharegpt_lengths(tokenizer_dir, work / "lengths", data=sharegpt_file, records="all")
-    return train_ranker(
-        work / "lengths", work / "ranker", TrainConfig(kind="ngram", ngram_bits=14, ngram_edge=4)
-    )
+    stop(server)
 
 
 @pytest.fixture()
 def proxy(ranker_dir, upstream):
     server = start(make_server(ranker_dir, f"http://127.0.0.1:{upstream.server_address[1]}", port=0))
     yield server
-    server.shutdown()
-    server.server_close()
+    stop(server)
 
 
 def post(server, path, body, raw=None):
@@ -98,17 +36,18 @@ def post(server, path, body, raw=None):
     return conn, conn.getresponse()
 
 
-def last_body():
-    return json.loads(FakeUpstream.seen[-1][1])
+def last_body(upstream):
+    """The body of the last request that reached the upstream."""
+    return json.loads(upstream.handler.seen[-1][1])
 
 
-def test_priority_orders_by_predicted_length(proxy):
+def test_priority_orders_by_predicted_length(proxy, upstream):
     assert proxy.server_address[0] == "127.0.0.1"
     priorities = {}
     for prompt in ["short tell me now", "essay about cats and dogs please"]:
         _, resp = post(proxy, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 8})
         assert resp.status == 200 and json.loads(resp.read()) == {"choices": [{"text": "ok"}]}
-        body = last_body()
+        body = last_body(upstream)
         assert body["prompt"] == prompt and body["max_tokens"] == 8
         priorities[prompt] = body["priority"]
     assert priorities["short tell me now"] < priorities["essay about cats and dogs please"]  # lower = sooner
@@ -116,10 +55,10 @@ def test_priority_orders_by_predicted_length(proxy):
         proxy, "/v1/chat/completions", {"messages": [{"role": "user", "content": "short tell me now"}]}
     )
     resp.read()
-    assert last_body()["priority"] == priorities["short tell me now"]
-    _, resp = post(proxy, "/v1/completions", {"prompt": "essay about cats", "priority": -5})
+    assert last_body(upstream)["priority"] == priorities["short tell me now"]
+    _, resp = post(proxy, "/v1/completions", {"prompt": "short tell me now", "priority": -5})
     resp.read()
-    assert last_body()["priority"] == -5  # the client's own wins
+    assert last_body(upstream)["priority"] == priorities["short tell me now"]  # a client's own is ignored
 
 
 def test_streaming_passes_through(proxy):
@@ -137,10 +76,10 @@ def test_ranker_failures_fall_back_to_fcfs(proxy, ranker_dir, upstream, tmp_path
     fallback = proxy.prioritizer.fallback
     _, resp = post(proxy, "/v1/completions", {"prompt": {"not": "a prompt"}})
     resp.read()
-    assert resp.status == 200 and last_body()["priority"] == fallback
+    assert resp.status == 200 and last_body(upstream)["priority"] == fallback
     _, resp = post(proxy, "/v1/completions", None, raw=b"{not json")
     assert (
-        resp.status == 400 and FakeUpstream.seen[-1][1] == b"{not json"
+        resp.status == 400 and upstream.handler.seen[-1][1] == b"{not json"
     )  # forwarded as is, upstream answers
     assert proxy.prioritizer.failures == 2
     broken = make_server(tmp_path / "missing", f"http://127.0.0.1:{upstream.server_address[1]}", port=0)
@@ -149,10 +88,9 @@ def test_ranker_failures_fall_back_to_fcfs(proxy, ranker_dir, upstream, tmp_path
         for prompt in ["short", "essay about cats"]:
             _, resp = post(broken, "/v1/completions", {"prompt": prompt})
             assert resp.status == 200 and json.loads(resp.read())
-            assert last_body()["priority"] == 0  # one constant: arrival order
+            assert last_body(upstream)["priority"] == 0  # one constant: arrival order
     finally:
-        broken.shutdown()
-        broken.server_close()
+        stop(broken)
     assert "not loaded" in caplog.text and "ranker failed" in caplog.text
 
 
@@ -163,13 +101,12 @@ def test_passthrough_and_upstream_errors(proxy, ranker_dir):
     assert resp.status == 200 and json.loads(resp.read())["data"][0]["id"] == "m"
     conn.request("GET", "/v1/models")  # the same keep-alive connection
     assert conn.getresponse().status == 200
-    dead = start(make_server(ranker_dir, "http://127.0.0.1:9", port=0))
+    dead = start(make_server(ranker_dir, "http://127.0.0.1:9", port=0, check_upstream=False))
     try:
         _, resp = post(dead, "/v1/completions", {"prompt": "short"})
         assert resp.status == 502 and "unreachable" in json.loads(resp.read())["error"]["message"]
     finally:
-        dead.shutdown()
-        dead.server_close()
+        stop(dead)
     with pytest.raises(ValueError, match="http://"):
         make_server(ranker_dir, "127.0.0.1:8000", port=0)
 
