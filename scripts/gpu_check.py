@@ -22,8 +22,10 @@ new projections).  Checks, in this order:
    here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
 5. the vLLM plugin (``scripts/gpu_check_vllm.py``): per-token log-probabilities with vLLM's defaults against
-   fast prefill off and against transformers, row by row (its docstring; about 25 minutes); ``--vllm only`` runs
-   just this part, ``--vllm skip`` says it is not wanted (a transformers-only machine).
+   fast prefill off and against transformers, row by row, the control first (its docstring; about 25 minutes,
+   estimated: no GPU run yet); ``--vllm only`` runs just this part, ``--vllm skip`` says it is not wanted (a
+   transformers-only machine).  Rows judged only against an engine running the same code (the FP8 KV cache)
+   are named "consistency only" beside the verdict.
 
 vLLM pins an older transformers than this package, so two environments take part: this script runs in the
 package's own (its transformers part, and the transformers reference of the vLLM rows), and the vLLM part runs
@@ -373,6 +375,9 @@ def print_report(report: dict) -> None:
     vllm = report["vllm"]
     if vllm["status"] != "ran":  # when it ran, gpu_check_vllm.py printed its own table
         print(f"vLLM section {vllm['status']}: {vllm['reason']}")
+    elif vllm.get("consistency_only"):
+        names = ", ".join(vllm["consistency_only"])
+        print(f"vLLM rows judged for consistency only (no independent reference): {names}")
     if "prefill" not in report:  # --vllm only
         print(f"verdict: {report['verdict']}")
         return

@@ -12,14 +12,24 @@ of value, that the SwiftKV path gives the same per-token log-probabilities of gr
   the same prefill chunking, exact K/V included),
 
 within tolerances set from the original model's own spread (the control row: vLLM's own Llama, graphs against
-eager and against transformers).  Each engine serves one workload: twelve prompts of 8-300 tokens (half
-repetitive, so n-gram drafts match), the same prompts again (prefix-cache hits), and one prompt of 4,096 tokens
-alone (chunked prefill over two steps).  Rows: SwiftKV 50%, AcrossKV g = 2 and exact K/V (W = 8) x plain,
-n-gram speculation and an FP8 KV cache; then preemption (a KV cache too small for the batch), Qwen2 and Qwen3,
-vLLM's V1 model runner forced (``VLLM_USE_V2_MODEL_RUNNER=0``; V2 is the default on GPUs), and the control last.
-Each row reports the decode stack's calls per CUDA-graph mode (``PIECEWISE gathered``: graphs replayed on the
-gathered logits rows), wall times and the largest differences; a compiled SwiftKV engine with fast prefill on
-whose decode stack never replayed a graph on gathered rows fails its row (the speed SwiftKV is served for).
+eager and against transformers), which runs first: without it nothing can be judged, so a time budget that cuts
+the run short still judges the rows before the cut.  Each engine serves one workload, in this order: four short
+prompts (5-20 tokens, 54 in all: one prefill step small enough for a captured piecewise CUDA graph, see
+``simulate_counter``), twelve prompts of 8-300 tokens (half repetitive, so n-gram drafts match), the same prompts
+again (prefix-cache hits), and one prompt of 4,096 tokens alone (chunked prefill over two steps).  Rows: the
+control, then SwiftKV 50%, AcrossKV g = 2 and exact K/V (W = 8) x plain, n-gram speculation and an FP8 KV cache;
+then preemption (a KV cache too small for the batch), Qwen2 and Qwen3, and vLLM's V1 model runner forced
+(``VLLM_USE_V2_MODEL_RUNNER=0``; V2 is the default on GPUs).  Each row records the model runner (V1/V2) and the
+attention backend its engine actually used, the decode stack's calls per CUDA-graph mode (``PIECEWISE
+gathered``: graphs replayed on the gathered logits rows), wall times and the largest differences; a compiled
+SwiftKV engine with fast prefill on whose decode stack never replayed a graph on gathered rows fails its row (the
+speed SwiftKV is served for), and so does a row that ran on another runner than it names.  The FP8 KV-cache rows
+have no independent reference (transformers keeps K/V unquantized): they are judged against their twin engine
+only, which runs the same FP8 code, and the verdict labels them "consistency only".
+
+Engines start in a clean environment: only the variables in ``ENGINE_ENVIRONMENT`` (paths, caches, the device
+selection, vLLM's CPU-build settings) pass from the user's shell, then the row's own (``Row.env``), so a
+``VLLM_ATTENTION_BACKEND`` or ``VLLM_USE_V2_MODEL_RUNNER`` left in the shell cannot change what a row checks.
 
 The verdict is ``ok`` only when every row ran and passed; a row not run (time budget, a failed engine start
 counts as FAIL) makes it ``incomplete``.  Exit status: 0 ok, 1 FAIL, 3 incomplete, 4 no CUDA GPU (one line,
@@ -27,8 +37,9 @@ nothing run).  A row starts only if its estimate still fits the budget (``--budg
 estimates are not measured (no GPU was lent to this project): ``Row.estimate_s`` = 90 s, from about 50 s for a
 compiled engine start of these tiny models (torch.compile of two units, warm after the first engine of a
 checkpoint, and the capture of vLLM's default sizes), 20 s for the eager one and a few seconds each for the
-workload and the transformers reference; 16 rows make 24 minutes, and the default budget leaves two thirds more.
-Every row records its wall times, so the first real run shows how far off the estimates are.
+workload and the transformers reference; 16 rows make 24 minutes (estimated), and the default budget leaves two
+thirds more.  Every row records its wall times, so the first real run shows how far off the estimates are.  The
+plugin supports vLLM 0.32 and 0.33 (``SUPPORTED_VLLM``); the report records the version that ran.
 
 Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it.  The
 transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the transformers
@@ -81,6 +92,7 @@ CPU_ENGINE = dict(
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 FAST_PREFILL_OFF = {"hf_overrides": {"swiftkv_fast_prefill": False}, "enforce_eager": True}
 EAGER = {"enforce_eager": True}
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 # the smallest tolerances (nats per token): a control that happens to agree exactly does not make any bf16
 # rounding a failure; otherwise TOLERANCE_FACTOR x the control's own spread
 FLOOR = {"engines": 0.02, "reference": 0.05}
@@ -88,6 +100,18 @@ TOLERANCE_FACTOR = 3.0
 STATUS = {"ok": 0, "FAIL": 1, "incomplete": 3, "no GPU": 4}
 # the decode stack's calls replayed as piecewise CUDA graphs on gathered rows
 GATHERED_GRAPHS = "PIECEWISE gathered"
+# the minor versions the plugin is written and checked against (docs/serving.md)
+SUPPORTED_VLLM = ("0.32", "0.33")
+# What an engine inherits from the user's shell: where things are (paths, caches, sockets), which device, and the
+# settings vLLM's CPU build needs; everything else (VLLM_*, SWIFTKV_*, TORCH_*, ...) is left out, so the row's own
+# ``env`` is all that differs from vLLM's defaults.
+ENGINE_ENVIRONMENT = (
+    "PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "XDG_CACHE_HOME", "LD_LIBRARY_PATH", "CUDA_HOME",
+    "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+    "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH",
+)  # fmt: skip
+# vLLM's CPU build: cores reserved and bound (eval.serving.vllm.cpu)
+ENGINE_ENVIRONMENT_PREFIXES = ("VLLM_CPU_",)
 
 
 @dataclass(frozen=True)
@@ -103,11 +127,14 @@ class Row:
     long: bool = True  # the LONG_PROMPT pass (not where the KV cache is made too small for it)
     twin: dict = field(default_factory=lambda: dict(FAST_PREFILL_OFF))  # the engine the row is compared with
     estimate_s: float = 90.0  # compiled start + eager start + the workload + the reference (module docstring)
+    # the model runner the row checks on a GPU: V2 is vLLM's default there (VllmConfig.use_v2_model_runner)
+    runner: str = "V2"
 
 
 def plan() -> list[Row]:
-    """The rows in order of value: what most users serve first, the control (the tolerances) last."""
-    rows = []
+    """The control first (its spread sets every tolerance: without it nothing is judged), then the rows in order
+    of value, what most users serve first."""
+    rows = [Row("control", "original")]
     for variant, engine in (
         ("", {}),
         ("-ngram", {"speculative_config": NGRAM}),
@@ -126,15 +153,9 @@ def plan() -> list[Row]:
         ),
         Row("qwen2-swiftkv50", "qwen2_swiftkv50"),
         Row("qwen3-swiftkv50_g2", "qwen3_swiftkv50_g2"),
-        Row("swiftkv50-v1", "swiftkv50", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
-        Row(
-            "swiftkv50-ngram-v1",
-            "swiftkv50",
-            {"speculative_config": NGRAM},
-            {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-        ),
-        Row("swiftkv50_exact-v1", "swiftkv50_exact", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}, twin=EAGER),
-        Row("control", "original"),
+        Row("swiftkv50-v1", "swiftkv50", env=V1, runner="V1"),
+        Row("swiftkv50-ngram-v1", "swiftkv50", {"speculative_config": NGRAM}, V1, runner="V1"),
+        Row("swiftkv50_exact-v1", "swiftkv50_exact", env=V1, twin=EAGER, runner="V1"),
     ]
     return rows
 
@@ -153,10 +174,185 @@ def long_prompt(vocab: int) -> list[int]:
     return [3 + (31 * j + j // 7) % (vocab - 3) for j in range(LONG_PROMPT)]
 
 
+# 54 tokens: one prefill step within vLLM's default capture sizes (``simulate_counter``)
+SHORT = (5, 12, 20, 17)
+
+
+def short_prompts(vocab: int) -> list[list[int]]:
+    """Four prompts whose prefill is one step of 54 tokens: at ``max_num_seqs`` 32 vLLM captures graphs up to 64
+    tokens, and every other pass's prefill steps are larger, so this is the step whose decode stack replays a
+    piecewise graph on gathered rows (one shorter than the exact-K/V window, so min(q_len, W) is exercised)."""
+    return [[3 + (11 * j + 17 * i + 1) % (vocab - 3) for j in range(n)] for i, n in enumerate(SHORT)]
+
+
+PASSES = ("short", "batch", "again", "long")  # in the order an engine serves them
+
+
+def workload(vocab: int, long: bool = True) -> dict[str, list[list[int]]]:
+    """Each pass's prompts (``long``: the 4,096-token pass, not where the KV cache is made too small for it)."""
+    return {"short": short_prompts(vocab), "batch": prompts(vocab), "again": prompts(vocab),
+            "long": [long_prompt(vocab)] if long else []}  # fmt: skip
+
+
+# -- vLLM's capture sizes and steps, in miniature (pure: the CPU tests check the workload against them) -------------
+# VllmConfig._set_cudagraph_sizes: 1,024 on Blackwell (SM100), which this check is not for
+DEFAULT_MAX_CAPTURE = 512
+BLOCK = 16  # vLLM's default KV-cache block on GPUs: prefix-cache hits are whole blocks
+
+
+def capture_sizes(
+    max_num_seqs: int, max_num_batched_tokens: int, drafts: int = 0, v1: bool = False
+) -> list[int]:
+    """The CUDA-graph capture sizes vLLM 0.32/0.33 picks by default (neither ``cudagraph_capture_sizes`` nor
+    ``max_cudagraph_capture_size`` given, performance mode "balanced", not Blackwell, fixed speculation), as
+    ``VllmConfig._set_cudagraph_sizes`` (vllm/config/vllm.py) computes them: 1, 2, 4, multiples of 8 below 256 and
+    of 16 from 256, up to min(2 x max_num_seqs x (1 + drafts), 512, max_num_batched_tokens), plus
+    max_num_batched_tokens where it fits and the uniform decode sizes.  On the V1 runner with speculation,
+    ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode`` (vllm/config/compilation.py, called from
+    ``resolve_cudagraph_mode_and_sizes``) then rounds them up to multiples of 1 + drafts; V2 keeps them."""
+    query = 1 + drafts
+    largest = min(max_num_seqs * query * 2, DEFAULT_MAX_CAPTURE)
+    decode: list[int] = []
+    if query > 1:
+        reqs = min(max_num_seqs, DEFAULT_MAX_CAPTURE)
+        counts = {n for n in (1, 2, 4) if n <= reqs} | set(range(8, min(reqs + 1, 256), 8))
+        counts |= set(range(256, reqs + 1, 16)) | {reqs}
+        decode = [n * query for n in counts if n * query <= largest]
+    elif max_num_seqs <= largest:
+        decode = [max_num_seqs]
+    largest = min(max_num_batched_tokens, largest)
+    sizes = {n for n in (1, 2, 4) if n <= largest}
+    if largest >= 8:
+        sizes |= set(range(8, min(largest + 1, 256), 8))
+    if largest >= 256:
+        sizes |= set(range(256, largest + 1, 16))
+    if max_num_batched_tokens <= largest:
+        sizes.add(max_num_batched_tokens)
+    sizes |= {n for n in decode if n <= max_num_batched_tokens}
+    sizes = sorted(sizes)
+    if v1 and query > 1:
+        top = sizes[-1]
+        sizes = sorted({-(-n // query) * query for n in sizes if -(-n // query) * query <= top}) or [query]
+    return sizes
+
+
+def schedule(
+    lengths: list[int], cached: list[int], max_tokens: int, max_num_seqs: int, budget: int
+) -> list[list[tuple[int, bool]]]:
+    """The steps vLLM's scheduler makes of requests submitted together: per step, each scheduled request's
+    (query tokens, prefill?).  As ``vllm.v1.core.sched.scheduler.Scheduler.schedule``: running requests first, then
+    waiting ones in arrival order while fewer than ``max_num_seqs`` run, within ``budget`` tokens a step (a prompt
+    that does not fit is chunked); a request's first token is sampled by the step that ends its prompt.  No
+    speculative drafts and no preemption (the passes this decides fit the KV cache)."""
+    computed, generated = list(cached), [0] * len(lengths)
+    waiting, running, steps = list(range(len(lengths))), [], []
+    while waiting or running:
+        left, step, scheduled = budget, [], []
+        for i in running:
+            n = min(lengths[i] - computed[i], left) if computed[i] < lengths[i] else min(1, left)
+            if n:
+                step.append((n, computed[i] < lengths[i]))
+                scheduled.append((i, n))
+                left -= n
+        while waiting and left and len(running) < max_num_seqs:
+            i = waiting.pop(0)
+            n = min(lengths[i] - computed[i], left)
+            running.append(i)
+            step.append((n, True))
+            scheduled.append((i, n))
+            left -= n
+        for i, n in scheduled:
+            computed[i] += n if computed[i] < lengths[i] else 0
+            generated[i] += computed[i] >= lengths[i]
+        running = [i for i in running if generated[i] < max_tokens]
+        steps.append(step)
+    return steps
+
+
+def padded(n: int, sizes: list[int]) -> int:
+    """``n`` tokens padded to the smallest capture size that holds them (``n`` past the largest)."""
+    return min((s for s in sizes if s >= n), default=n)
+
+
+def counter_key(
+    step: list[tuple[int, bool]], sizes: list[int], max_num_seqs: int, drafts: int, window: int
+) -> str | None:
+    """What ``serve``'s counter records for the decode stack in one step, or None where vLLM replays a FULL graph
+    (the model's Python, the counter included, does not run).
+
+    The runner (``CudagraphDispatcher.dispatch`` in V1, ``CudaGraphManager.dispatch`` in V2) replays a uniform
+    decode step (every request 1 + drafts tokens) as a FULL graph, any other step of at most the largest capture
+    size as PIECEWISE graphs of its padded size, and runs larger ones without graphs.  The decode stack gets the
+    logits rows (one per request here), or with an exact-K/V window W > 1 in a step with a prefill each request's
+    last min(q_len, W) rows (``PromptWindow``), padded to a capture size (V1 ``_prepare_kv_sharing_fast_prefill``,
+    V2 ``FastPrefillHelper.prepare``), and keeps the step's mode only where that size was captured
+    (``LlamaSwiftKVModel._graph_batch``); its rows are gathered when fewer than the step's."""
+    lengths = [n for n, _ in step]
+    tokens, query = sum(lengths), 1 + drafts
+    if tokens > sizes[-1]:
+        mode, size = "NONE", tokens
+    else:
+        mode, size = "PIECEWISE", padded(tokens, sizes)
+        if max(lengths) == query and tokens == query * len(lengths) and size <= max_num_seqs * query:
+            return None  # FULL
+    prefill = any(p for _, p in step)
+    rows = sum(min(n, window) for n in lengths) if window > 1 and prefill else len(lengths)
+    rows = padded(rows, sizes) if rows <= sizes[-1] else rows
+    if mode == "PIECEWISE" and rows not in sizes:
+        mode = "NONE"
+    return mode + (" gathered" if rows < size else "")
+
+
+def simulate_counter(row: Row, passes: tuple[str, ...] = PASSES) -> dict[str, int]:
+    """``serve``'s counter for ``row``'s compiled engine on a GPU, predicted: the decode stack's calls per mode over
+    ``passes`` of the workload (the again pass hits every whole block of its prompts but the last token's)."""
+    engine = {**ENGINE, **row.engine}
+    spec = engine.get("speculative_config") or {}
+    drafts = spec.get("num_speculative_tokens", 0)
+    v1 = row.env.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    sizes = capture_sizes(engine["max_num_seqs"], engine["max_num_batched_tokens"], drafts, v1)
+    window = WINDOW if row.model.endswith("_exact") else 0
+    block = engine.get("block_size", BLOCK)
+    keys: dict[str, int] = {}
+    for name in passes:
+        lengths = [len(p) for p in workload(TINY["vocab_size"], row.long)[name]]
+        cached = [(n - 1) // block * block if name == "again" else 0 for n in lengths]
+        for step in schedule(
+            lengths, cached, MAX_TOKENS, engine["max_num_seqs"], engine["max_num_batched_tokens"]
+        ):
+            key = counter_key(step, sizes, engine["max_num_seqs"], drafts, window)
+            if key is not None:
+                keys[key] = keys.get(key, 0) + 1
+    return keys
+
+
+def runner_version(mro_modules: list[str]) -> str:
+    """V1 or V2 from the modules of a model runner's class and its bases: V1 is ``vllm.v1.worker.gpu_model_runner``
+    (the CPU build's V1 runner subclasses it), V2 lives in the ``vllm.v1.worker.gpu`` package (the CPU build's in
+    ``vllm.v1.worker.cpu``)."""
+    if "vllm.v1.worker.gpu_model_runner" in mro_modules:
+        return "V1"
+    if any(m.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) for m in mro_modules):
+        return "V2"
+    return f"unknown ({mro_modules[0]})"
+
+
+def runner_modules(worker) -> list[str]:
+    """In a vLLM worker (``LLM.collective_rpc``): the modules of its model runner's class and bases."""
+    return [c.__module__ for c in type(worker.model_runner).__mro__]
+
+
+def attention_backend(model) -> str:
+    """In a vLLM worker (``LLM.apply_model``): the attention backend of the model's first attention layer (every
+    layer of these checkpoints takes the same one)."""
+    return next(m.attn_backend.get_name() for m in model.modules() if hasattr(m, "attn_backend"))
+
+
 def serve(model: str, engine: dict, long: bool = True) -> dict:
-    """One engine in this process: per pass (batch, the batch again, the long prompt alone) each request's greedy
-    tokens, their log-probabilities and the runner-up's (top-2), its prefix-cache hits; the decode stack's calls
-    per CUDA-graph mode (installed after start-up, so graph captures are not counted) and vLLM's preemptions."""
+    """One engine in this process: per pass (``PASSES``) each request's greedy tokens, their log-probabilities and
+    the runner-up's (top-2), its prefix-cache hits; the decode stack's calls per CUDA-graph mode (installed after
+    start-up, so graph captures are not counted), vLLM's preemptions, and the model runner and attention backend
+    the engine actually used."""
     from vllm import LLM, SamplingParams
     from vllm.forward_context import get_forward_context
 
@@ -205,19 +401,29 @@ def serve(model: str, engine: dict, long: bool = True) -> dict:
             })  # fmt: skip
         return out
 
-    passes = {
-        "batch": run(prompts(vocab)),
-        "again": run(prompts(vocab)),
-        "long": run([long_prompt(vocab)]) if long else [],
-    }
+    passes = {name: run(batch) if batch else [] for name, batch in workload(vocab, long).items()}
     preempted = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    return {"passes": passes, "decode_stack_calls": modes, "preemptions": preempted}
+    return {"passes": passes, "decode_stack_calls": modes, "preemptions": preempted,
+            "runner": runner_version(llm.collective_rpc(runner_modules)[0]),
+            "attention_backend": llm.apply_model(attention_backend)[0]}  # fmt: skip
+
+
+def engine_environment(shell: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """A child engine's environment: the allowed variables of ``shell`` (``ENGINE_ENVIRONMENT``), this check's own
+    settings (the engine in the child's process, this checkout importable, no network: the checkpoints are local),
+    then the row's ``env``."""
+    kept = {
+        k: v for k, v in shell.items() if k in ENGINE_ENVIRONMENT or k.startswith(ENGINE_ENVIRONMENT_PREFIXES)
+    }
+    own = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return {**kept, **own, **env}
 
 
 def run_engine(model: Path, engine: dict, env: dict, tmp: Path, timeout_s: float, long: bool = True) -> dict:
-    """``serve`` in a child process (vLLM cannot start an engine after a speculative one in one process)."""
+    """``serve`` in a child process (vLLM cannot start an engine after a speculative one in one process), in a
+    clean environment (``engine_environment``)."""
     out = tmp / f"engine-{time.monotonic_ns()}.json"
-    child_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), **env}
+    child_env = engine_environment(dict(os.environ), env)
     spec = json.dumps({"model": str(model), "long": long, **engine})
     cmd = [sys.executable, __file__, "--engine", spec, "--out", str(out)]
     t0 = time.monotonic()
@@ -389,6 +595,10 @@ def judge(row: dict, tol: dict[str, float]) -> tuple[str, list[str]]:
         why.append(
             f"the decode stack never replayed a piecewise CUDA graph on gathered rows (its calls: {seen})"
         )
+    expected = row.get("runner_expected")
+    if expected and row.get("runner") != expected:
+        why.append(f"the engine ran on the {row.get('runner')} model runner, not {expected} (vLLM's log says why it "
+                   "fell back)")  # fmt: skip
     preempt = row["name"].endswith("-preempt")
     if not row["prefix_hits"] and not preempt:  # a cache too small for the batch may evict every block
         why.append("the second pass hit no prefix-cache block")
@@ -399,16 +609,24 @@ def judge(row: dict, tol: dict[str, float]) -> tuple[str, list[str]]:
 
 def verdict(rows: list[dict]) -> tuple[str, dict[str, float] | None]:
     """Judge every row that ran against the control's tolerances; ``incomplete`` if any row (or the control) did
-    not run, ``FAIL`` if any row failed (a failure is reported even when others did not run)."""
+    not run, ``FAIL`` if any row failed (a failure is reported even when others did not run).  A row without the
+    transformers reference (an FP8 KV cache) is judged ``consistency only``: against its twin engine, which runs
+    the same FP8 code, so an error both share passes (``consistency_only`` lists them)."""
     tol = tolerances(next((r for r in rows if r["name"] == "control"), None))
     for r in rows:
         if r["status"] == "ran" and tol is not None:
             r["status"], r["why"] = judge(r, tol)
+            r["judged"] = "against transformers fp32 and the twin" if "reference" in r else "consistency only"
     if any(r["status"] == "FAIL" for r in rows):
         return "FAIL", tol
     if tol is None or any(r["status"] != "ok" for r in rows):
         return "incomplete", tol
     return "ok", tol
+
+
+def consistency_only(rows: list[dict]) -> list[str]:
+    """The rows judged only against an engine running the same code (``verdict``): what the verdict labels."""
+    return [r["name"] for r in rows if r.get("judged") == "consistency only"]
 
 
 def run_rows(
@@ -450,7 +668,11 @@ def served_row(
         "model": row.model,
         "wall_s": {"fast_prefill": fast["wall_s"], "twin": slow["wall_s"]},
         "twin": row.twin,
+        "env": row.env,
         "graphs_expected": graphs_expected(row, base, cpu),
+        # vLLM's CPU build has no Triton, so it always runs V1: only a GPU run is held to the row's runner
+        "runner_expected": None if cpu else row.runner,
+        **{k: fast[k] for k in ("runner", "attention_backend") if k in fast},
     }
     if "error" in fast or "error" in slow:
         return {
@@ -458,13 +680,12 @@ def served_row(
             "status": "FAIL",
             "why": [f"an engine failed: {(fast.get('error') or slow['error'])[-600:]}"],
         }
-    requests = [r for name in ("batch", "again", "long") for r in fast["passes"][name]]
-    engines = engine_diff(requests, [r for name in ("batch", "again", "long") for r in slow["passes"][name]])
+    requests = [r for name in PASSES for r in fast["passes"][name]]
+    engines = engine_diff(requests, [r for name in PASSES for r in slow["passes"][name]])
     result.update(status="ran", engines=engines, decode_stack_calls=fast["decode_stack_calls"],
                   preemptions=fast["preemptions"], prefix_hits=sum(r["cached"] for r in fast["passes"]["again"]))  # fmt: skip
     if row.reference:
-        vocab = TINY["vocab_size"]
-        inputs = [*prompts(vocab), *prompts(vocab), *([long_prompt(vocab)] if row.long else [])]
+        inputs = [p for batch in workload(TINY["vocab_size"], row.long).values() for p in batch]
         t0 = time.monotonic()
         pairs = [(p, r["tokens"]) for p, r in zip(inputs, requests, strict=True)]
         ref = run_reference(reference_python, checkpoints[row.model], pairs, tmp, timeout_s)
@@ -497,24 +718,28 @@ def check(budget_s: float, cpu: bool, names: list[str] | None, reference_python:
     status, tol = verdict(results)
     if names is not None and status == "ok" and len(rows) < len(plan()):
         status = "incomplete"  # a chosen subset never says ok
-    return {"verdict": status, "tolerances": tol, "rows": results, "budget_s": budget_s,
-            "elapsed_s": time.monotonic() - started, "device": "cpu (vLLM's CPU build)" if cpu else "cuda"}  # fmt: skip
+    import vllm
+
+    return {"verdict": status, "tolerances": tol, "rows": results, "consistency_only": consistency_only(results),
+            "budget_s": budget_s, "elapsed_s": time.monotonic() - started,
+            "device": "cpu (vLLM's CPU build)" if cpu else "cuda", "vllm_version": vllm.__version__,
+            "vllm_supported": vllm.__version__.startswith(SUPPORTED_VLLM),
+            "engine_environment": sorted(engine_environment(dict(os.environ), {}))}  # fmt: skip
 
 
 def print_table(report: dict) -> None:
-    print(
-        "\n| row | status | vs twin engine (max, divergences) | vs transformers fp32 | prefix hits | decode stack calls | s |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("\n| row | status | runner, attention | vs twin engine (max, divergences) | vs transformers fp32 | "
+          "prefix hits | decode stack calls | s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         e, ref = r.get("engines"), r.get("reference")
         engines = f"{e['max_abs']:.4f}, {e['divergences']}" if e else "-"
-        vs_ref = f"{ref['max_abs']:.4f}" if ref else "-"
+        vs_ref = f"{ref['max_abs']:.4f}" if ref else ("consistency only" if r.get("judged") else "-")
         calls = ", ".join(f"{k} {v}" for k, v in sorted(r.get("decode_stack_calls", {}).items())) or "-"
         wall = sum(r.get("wall_s", {}).values())
-        print(
-            f"| {r['name']} | {r['status']} | {engines} | {vs_ref} | {r.get('prefix_hits', '-')} | {calls} | {wall:.0f} |"
-        )
+        ran = f"{r.get('runner', '-')}, {r.get('attention_backend', '-')}"
+        print(f"| {r['name']} | {r['status']} | {ran} | {engines} | {vs_ref} | {r.get('prefix_hits', '-')} | {calls} "
+              f"| {wall:.0f} |")  # fmt: skip
         for why in r.get("why", []):
             print(f"  {r['name']}: {why}")
     tol = report["tolerances"]
@@ -522,7 +747,12 @@ def print_table(report: dict) -> None:
         print(
             f"tolerances (from the control): vs twin {tol['engines']:.4f}, vs transformers {tol['reference']:.4f}"
         )
-    print(f"verdict: {report['verdict']} ({report['elapsed_s']:.0f} s)")
+    if not report["vllm_supported"]:
+        print(f"note: vLLM {report['vllm_version']} is not a version the plugin supports ({', '.join(SUPPORTED_VLLM)}): "
+              "a failure may be the version's, not the plugin's")  # fmt: skip
+    labels = ", ".join(report["consistency_only"])
+    label = f"; consistency only (no independent reference): {labels}" if labels else ""
+    print(f"verdict: {report['verdict']}{label} ({report['elapsed_s']:.0f} s, vLLM {report['vllm_version']})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,10 @@ from eval.serving.vllm.cpu import cpu_environment, make_llm
 
 
 def run_step(llm, step: dict) -> dict:
-    """One ``generate`` call: ``{"prompts", "max_tokens"=8, "prompt_logprobs"=None}`` -> the greedy tokens, each
-    request's prefix-cache hits and (if asked) prompt log-probabilities of the prompt tokens; or the error."""
+    """One ``generate`` call: ``{"prompts", "max_tokens"=8, "prompt_logprobs"=None, "logprobs"=None,
+    "alone"=False}`` -> the greedy tokens, each request's prefix-cache hits, (if asked) prompt log-probabilities
+    of the prompt tokens and, per generated token, ``{"chosen": its log-probability, "top": the ``logprobs``
+    largest}``; or the error.  ``alone``: one ``generate`` call per prompt, so each request is served by itself."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -32,15 +34,29 @@ def run_step(llm, step: dict) -> dict:
         ignore_eos=True,
         detokenize=False,
         prompt_logprobs=step.get("prompt_logprobs"),
+        logprobs=step.get("logprobs"),
     )
+    batches = [[p] for p in step["prompts"]] if step.get("alone") else [step["prompts"]]
     try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
+        outputs = [
+            o
+            for batch in batches
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        ]
     except Exception as exc:  # a refused request: the test checks the message and that the engine serves on
         return {"error": f"{type(exc).__name__}: {exc}"}
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "cached": [o.num_cached_tokens for o in outputs],
     }
+    if step.get("logprobs") is not None:
+        result["logprobs"] = [
+            [
+                {"chosen": lp[token].logprob, "top": sorted((x.logprob for x in lp.values()), reverse=True)}
+                for lp, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ]
+            for o in outputs
+        ]
     if step.get("prompt_logprobs") is not None:  # the prompt token's own log-probability at each position
         result["prompt_logprobs"] = [
             [

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,16 +218,22 @@ def vllm_check():
     return load_script("gpu_check_vllm")
 
 
-def test_vllm_rows_run_in_order_of_value_with_the_control_last():
+def test_vllm_rows_run_the_control_first_then_in_order_of_value():
+    """The control sets every tolerance, so it runs first: a budget that cuts the run short still judges the rows
+    before the cut; each row names the model runner it checks."""
     check = vllm_check()
     names = [r.name for r in check.plan()]
-    assert names[:3] == ["swiftkv50", "swiftkv50_g2", "swiftkv50_exact"] and names[-1] == "control"
+    assert names[:4] == ["control", "swiftkv50", "swiftkv50_g2", "swiftkv50_exact"]
     assert len(set(names)) == len(names)
     for needed in ("swiftkv50-ngram", "swiftkv50_g2-fp8", "swiftkv50-preempt", "qwen2-swiftkv50",
                    "qwen3-swiftkv50_g2", "swiftkv50-v1", "swiftkv50-ngram-v1"):  # fmt: skip
         assert needed in names
     rows = {r.name: r for r in check.plan()}
     assert rows["swiftkv50-v1"].env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and rows["swiftkv50"].env == {}
+    assert {r.name for r in check.plan() if r.runner == "V1"} == {
+        r.name for r in check.plan() if r.env == check.V1
+    }
+    assert {r.runner for r in check.plan()} == {"V1", "V2"}
     assert not rows["swiftkv50-fp8"].reference and rows["swiftkv50-ngram"].reference
     # the default budget holds every row's estimate with half as much again to spare
     assert 1.5 * sum(r.estimate_s for r in check.plan()) <= 2400
@@ -257,6 +264,165 @@ def test_vllm_verdict_uses_the_controls_spread_and_is_never_ok_with_a_row_not_ru
     ]
     failed = {"name": "a", "status": "FAIL", "why": ["an engine failed: ..."]}
     assert check.verdict([failed, {"name": "control", "status": "not run"}])[0] == "FAIL"
+
+
+def test_vllm_fp8_rows_are_labelled_consistency_only_and_rows_fail_on_another_runner():
+    """A row without the transformers reference (the FP8 KV cache: transformers keeps K/V unquantized) passes on
+    its twin alone, which runs the same FP8 code: the verdict names it "consistency only".  A row that ran on
+    another model runner than it names fails (it did not check what it claims); a CPU run expects none."""
+    check = vllm_check()
+    control = ran("control", engines=0.01, reference=0.03)
+    fp8 = ran("swiftkv50-fp8", reference=None)
+    rows = [dict(control), ran("swiftkv50"), fp8]
+    assert check.verdict(rows)[0] == "ok" and check.consistency_only(rows) == ["swiftkv50-fp8"]
+    assert [r["judged"] for r in rows] == ["against transformers fp32 and the twin"] * 2 + [
+        "consistency only"
+    ]
+    assert check.consistency_only([ran("swiftkv50-fp8", reference=None)]) == []  # not judged: not labelled
+    fell_back = ran("swiftkv50", runner="V1", runner_expected="V2")
+    assert check.verdict([dict(control), fell_back])[0] == "FAIL"
+    assert fell_back["why"] == [
+        "the engine ran on the V1 model runner, not V2 (vLLM's log says why it fell back)"
+    ]
+    assert check.verdict([dict(control), ran("swiftkv50-v1", runner="V1", runner_expected="V1")])[0] == "ok"
+    assert check.verdict([dict(control), ran("cpu", runner="V1", runner_expected=None)])[0] == "ok"
+
+
+def test_vllm_runner_version_from_the_runner_classes_modules():
+    """V1 and V2 by where vLLM 0.32/0.33 define their runners (GPU and CPU builds), unknown otherwise."""
+    check = vllm_check()
+    v1 = ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.lora_model_runner_mixin", "builtins"]
+    assert check.runner_version(v1) == "V1"
+    assert (
+        check.runner_version(["vllm.v1.worker.cpu_model_runner", *v1]) == "V1"
+    )  # CPUModelRunner(GPUModelRunner)
+    assert check.runner_version(["vllm.v1.worker.gpu.model_runner", "builtins"]) == "V2"
+    assert (
+        check.runner_version(["vllm.v1.worker.cpu.model_runner", "vllm.v1.worker.gpu.model_runner"]) == "V2"
+    )
+    assert check.runner_version(["vllm.v2.runner", "builtins"]) == "unknown (vllm.v2.runner)"
+    worker = SimpleNamespace(model_runner=SimpleNamespace())
+    assert check.runner_modules(worker) == ["types", "builtins"]
+    attention = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))
+    model = SimpleNamespace(modules=lambda: [SimpleNamespace(), attention])
+    assert check.attention_backend(model) == "FLASH_ATTN"
+
+
+def test_vllm_engines_start_in_a_clean_environment():
+    """Only the allowlist passes from the user's shell (paths, caches, the device, vLLM's CPU-build settings):
+    a VLLM_* or SWIFTKV_* left there cannot change what a row checks; the row's own env comes last."""
+    check = vllm_check()
+    shell = {
+        "PATH": "/bin", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/hf", "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_BATCH_INVARIANT": "1",
+        "SWIFTKV_FAST_PREFILL": "0", "PYTHONPATH": "/elsewhere", "HF_HUB_OFFLINE": "0", "AWS_SECRET": "x",
+    }  # fmt: skip
+    env = check.engine_environment(shell, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert env == {
+        "PATH": "/bin", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/hf", "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }  # fmt: skip
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in check.engine_environment(shell, {})
+
+
+# vLLM 0.32's own VllmConfig._set_cudagraph_sizes and CompilationConfig.adjust_cudagraph_sizes_for_spec_decode on
+# these (max_num_seqs, max_num_batched_tokens, drafts): [V2's sizes, V1's] (test_vllm_capture_sizes_are_vllms
+# recomputes them in the vLLM venv)
+VLLM_CAPTURE_SIZES = {
+    (32, 2048, 0): [[1, 2, 4, *range(8, 65, 8)]] * 2,
+    (32, 2048, 3): [[1, 2, 4, *range(8, 257, 8)], [4, *range(8, 257, 8)]],
+    (4, 32, 0): [[1, 2, 4, 8]] * 2,
+    (300, 8192, 0): [[1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300, *range(304, 513, 16)]] * 2,
+    (8, 64, 2): [[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48], [3, 6, 9, 12, 18, 24, 33, 42, 48]],
+}
+
+
+def test_vllm_capture_sizes_follow_vllms_rule():
+    check = vllm_check()
+    for (seqs, tokens, drafts), (v2, v1) in VLLM_CAPTURE_SIZES.items():
+        assert check.capture_sizes(seqs, tokens, drafts) == v2
+        assert check.capture_sizes(seqs, tokens, drafts, v1=True) == v1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_capture_sizes_are_vllms(vllm_python):
+    """The table above is what the installed vLLM computes (its own functions on the config fields they read)."""
+    script = textwrap.dedent(
+        """
+        import json
+        from types import SimpleNamespace
+        from vllm.config import CompilationConfig, VllmConfig
+        from vllm.config.compilation import CUDAGraphMode
+
+        out = {}
+        for seqs, tokens, drafts in json.loads(input()):
+            compilation = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+            spec = SimpleNamespace(num_speculative_tokens=drafts, uses_dynamic_speculative_decoding=lambda: False)
+            config = SimpleNamespace(
+                model_config=SimpleNamespace(enforce_eager=False), compilation_config=compilation,
+                uniform_decode_query_len=1 + drafts, num_speculative_tokens=drafts, performance_mode="balanced",
+                scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=tokens),
+                speculative_config=spec if drafts else None,
+            )
+            VllmConfig._set_cudagraph_sizes(config)
+            v2 = list(compilation.cudagraph_capture_sizes)
+            compilation.adjust_cudagraph_sizes_for_spec_decode(1 + drafts)
+            out[f"{seqs},{tokens},{drafts}"] = [v2, list(compilation.cudagraph_capture_sizes)]
+        print(json.dumps(out))
+        """
+    )
+    cases = json.dumps([list(k) for k in VLLM_CAPTURE_SIZES])
+    proc = subprocess.run(
+        [str(vllm_python), "-c", script], input=cases, capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {",".join(map(str, k)): [list(v) for v in sizes] for k, sizes in VLLM_CAPTURE_SIZES.items()}
+
+
+def test_vllm_steps_follow_the_scheduler():
+    """Requests submitted together: one prefill step while they fit the budget and max_num_seqs, then decode
+    steps; a prompt past the budget is chunked beside the running decodes; prefix hits shorten the prefill."""
+    check = vllm_check()
+    assert check.schedule([5, 12], [0, 0], 3, 32, 2048) == [[(5, True), (12, True)], [(1, False)] * 2,
+                                                           [(1, False)] * 2]  # fmt: skip
+    assert check.schedule([3000], [0], 2, 32, 2048) == [[(2048, True)], [(952, True)], [(1, False)]]
+    assert check.schedule([8, 8, 8], [0, 0, 0], 2, 2, 2048) == [[(8, True), (8, True)], [(1, False)] * 2,
+                                                                [(8, True)], [(1, False)]]  # fmt: skip
+    assert check.schedule([40], [32], 1, 32, 2048) == [[(8, True)]]
+
+
+def test_vllm_short_pass_makes_every_compiled_row_replay_piecewise_graphs_on_gathered_rows():
+    """The workload's steps against vLLM's default capture sizes (``simulate_counter``): without the short pass
+    every prefill step of a row without speculation is larger than its largest captured graph (64 tokens at
+    max_num_seqs 32), so its decode stack runs without graphs, and decode steps replay FULL graphs the counter never
+    sees: 11 of the 15 compiled SwiftKV rows would fail on a correct plugin.  The short pass's one prefill step (54
+    tokens) fits, and each of those rows' counters sees a piecewise graph on gathered rows, at a captured size."""
+    check = vllm_check()
+    compiled = [r for r in check.plan() if check.graphs_expected(r, r.engine, cpu=False)]
+    assert len(compiled) == 15 and "control" not in {r.name for r in compiled}
+    before = {r.name for r in compiled if not check.simulate_counter(r, ("batch", "again", "long")).get(
+        check.GATHERED_GRAPHS)}  # fmt: skip
+    assert before == {r.name for r in compiled if "ngram" not in r.name} and len(before) == 11
+    for row in compiled:
+        assert check.simulate_counter(row, ("short",))[check.GATHERED_GRAPHS] == 1, row.name
+        assert check.simulate_counter(row)[check.GATHERED_GRAPHS] >= 1, row.name
+    assert check.PASSES[0] == "short"  # on a fresh engine: no prefix hit can shrink it
+    sizes = check.capture_sizes(check.ENGINE["max_num_seqs"], check.ENGINE["max_num_batched_tokens"])
+    step = check.schedule(list(check.SHORT), [0] * 4, check.MAX_TOKENS, 32, check.CHUNK)[0]
+    assert sum(check.SHORT) == 54 <= sizes[-1] == 64 and len(step) == 4  # one step, padded to 56
+    # the rows the decode stack runs, at captured sizes: 4 logits rows; with W = 8, 5 + 8 + 8 + 8 = 29 -> 32
+    assert (
+        check.counter_key(step, sizes, 32, 0, 0)
+        == check.counter_key(step, sizes, 32, 0, 8)
+        == "PIECEWISE gathered"
+    )
+    assert min(check.SHORT) < check.WINDOW < max(check.SHORT)
+    # what the counter cannot see and what runs without graphs
+    assert check.counter_key([(1, False)] * 12, sizes, 32, 0, 0) is None  # uniform decode: a FULL graph
+    assert check.counter_key([(1330, True)], sizes, 32, 0, 0) == "NONE gathered"
 
 
 def test_vllm_rows_stop_at_the_budget_by_their_estimates():
@@ -323,9 +489,10 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     assert result.returncode == 3, result.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert report["verdict"] == "incomplete" and list(rows) == ["swiftkv50_exact", "control"]
+    assert report["verdict"] == "incomplete" and list(rows) == ["control", "swiftkv50_exact"]
     for row in rows.values():
         assert row["status"] == "ok", row.get("why")
+        assert (row["runner"], row["attention_backend"]) == ("V1", "CPU_ATTN")  # no Triton on CPU: V1
         assert row["prefix_hits"] > 0 and row["reference"]["max_abs"] < 1e-3  # fp32 against fp32
     assert rows["swiftkv50_exact"]["twin"] == {"enforce_eager": True}  # exact K/V keep fast prefill on
     assert report["tolerances"]["engines"] == 0.02  # fp32 engines agree: the floor
@@ -351,8 +518,10 @@ def fake_engine(calls: dict[str, int]):
     def run_engine(model, engine, env, tmp, timeout_s, long=True):
         asked.append(engine)
         request = {"tokens": [5], "logprobs": [-0.1], "top2": [[[5, -0.1], [6, -2.0]]], "cached": 16}
-        passes = {"batch": [request] * 12, "again": [request] * 12, "long": [request] if long else []}
-        return {"passes": passes, "decode_stack_calls": dict(calls), "preemptions": 0, "wall_s": 1.0}
+        passes = {"short": [request] * 4, "batch": [request] * 12, "again": [request] * 12,
+                  "long": [request] if long else []}  # fmt: skip
+        return {"passes": passes, "decode_stack_calls": dict(calls), "preemptions": 0, "wall_s": 1.0,
+                "runner": "V2", "attention_backend": "FLASH_ATTN"}  # fmt: skip
 
     return run_engine, asked
 
@@ -363,9 +532,9 @@ def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_row
     Llama, no decode stack) and a CPU run (no graphs at all) are not asked for them."""
     check = vllm_check()
     rows = {r.name: r for r in check.plan()}
-    n = len(check.prompts(check.TINY["vocab_size"]))
+    n = sum(map(len, check.workload(check.TINY["vocab_size"]).values()))
     monkeypatch.setattr(
-        check, "run_reference", lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * (2 * n + 1)}
+        check, "run_reference", lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * n}
     )
 
     def served(name: str, calls: dict[str, int], cpu: bool = False) -> tuple[dict, list[dict]]:
@@ -379,6 +548,12 @@ def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_row
     graphs, _ = served("swiftkv50_exact-fp8", {"PIECEWISE gathered": 30, "NONE gathered": 10})
     on_cpu, _ = served("swiftkv50", {"NONE gathered": 40}, cpu=True)
     assert [r["graphs_expected"] for r in (control, no_graphs, graphs, on_cpu)] == [False, True, True, False]
+    assert (graphs["runner"], graphs["attention_backend"], graphs["runner_expected"]) == (
+        "V2",
+        "FLASH_ATTN",
+        "V2",
+    )
+    assert on_cpu["runner_expected"] is None  # vLLM's CPU build runs V1 whatever the row names
     results = [{"name": name, **r} for name, r in
                (("swiftkv50", no_graphs), ("swiftkv50_exact-fp8", graphs), ("cpu", on_cpu), ("control", control))]  # fmt: skip
     assert check.verdict(results)[0] == "FAIL"

@@ -83,9 +83,12 @@ def fast_prefill_reason(vllm_config) -> str | None:
     return None
 
 
-def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
+def fast_prefill_refusal(vllm_config, backend: str, breakable_cudagraphs: bool = False) -> str | None:
     """Why an engine whose config hook turned fast prefill on cannot serve with it, from what vLLM resolved after
-    the hook (checked when the model is built), or None.
+    the hook (checked when the model is built), or None.  ``breakable_cudagraphs``: vLLM's
+    ``is_breakable_cudagraph_enabled()``, which ``VllmConfig._maybe_enable_breakable_cudagraph`` may turn on after
+    the hook (``VLLM_BATCH_INVARIANT=1`` does so for bf16 shapes it has tuned tiles for, such as Llama-3-8B's on
+    H100).
 
     * ``cudagraph_mode`` FULL: the hook refuses it (``fast_prefill_reason``), but ``VllmConfig.__post_init__``
       resolves the mode after ``try_verify_and_update_config``: ``CompilationConfig.set_splitting_ops_for_v1``
@@ -93,10 +96,19 @@ def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
       attention + quant fusion pass ``fuse_attn_quant``), and a FULL graph would replay a mixed step's
       data-dependent row gather as captured.  (``_normalize_piecewise_cudagraph_mode``, which runs there too, makes
       it FULL_DECODE_ONLY without piecewise compilation: mixed steps eager, which is safe.)
-    * FlashInfer, and decode context parallel with any backend: their metadata builders read
-      ``query_start_loc_cpu`` on the host, which vLLM's fast-prefill metadata fills by a non-blocking
-      device-to-host copy (``make_kv_sharing_fast_prefill_common_attn_metadata``), so they may plan with values not
-      yet copied (vLLM's own gemma3n shares this exposure)."""
+    * Breakable CUDA graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH``) in place of piecewise ones: they capture the whole
+      forward once per size and replay only the attention ops eagerly (``vllm/compilation/breakable_cudagraph.py``),
+      so the model's per-step choice of the rows that run layers >= l (``LlamaSwiftKVModel._decode_rows``, Python
+      between the two stacks) is frozen at its capture-time value while the runner keeps building the upper
+      layers' metadata for the logits rows: wrong tokens, silently.
+    * FlashInfer, FlexAttention, and decode context parallel with any backend: their metadata builders read
+      ``query_start_loc_cpu`` on the host (FlexAttention in ``FlexAttentionMetadata.__post_init__`` through
+      ``_offsets_to_doc_ids_tensor``), which vLLM's fast-prefill metadata fills by a non-blocking device-to-host copy
+      (``make_kv_sharing_fast_prefill_common_attn_metadata``), so they may plan with values not yet copied (vLLM's
+      own gemma3n shares this exposure).
+    * Prefill context parallel: the V2 runner (the only one that runs it) builds its fast-prefill helper only
+      without it (``GPUModelRunner.initialize_kv_cache``: ``kv_sharing_fast_prefill and self.pcp_manager is
+      None``), so every row would silently run every layer, and exact K/V would mark every prompt token exact."""
     if not vllm_config.cache_config.kv_sharing_fast_prefill:
         return None
     fix = f"{FAST_PREFILL_ENV}=0 (every row through every layer)"
@@ -107,7 +119,13 @@ def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
             "left: an empty -cc.splitting_ops, or the attention + quant fusion pass), which replays mixed steps "
             f"whole (to resolve, serve with -cc.cudagraph_mode=FULL_DECODE_ONLY, or without those, or {fix})"
         )
-    if backend.upper().startswith("FLASHINFER"):
+    if breakable_cudagraphs and mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        return (
+            "breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1, which VLLM_BATCH_INVARIANT=1 turns on unless it "
+            "is set) freeze SwiftKV's choice of the rows that run layers >= l at capture (to resolve, set "
+            f"VLLM_USE_BREAKABLE_CUDAGRAPH=0, or serve with -cc.cudagraph_mode=FULL_DECODE_ONLY, or with {fix})"
+        )
+    if backend.upper().startswith(("FLASHINFER", "FLEX_ATTENTION")):
         return (
             f"the {backend} attention backend plans on host copies of the offsets that SwiftKV's fast prefill "
             f"fills asynchronously (to resolve, pick --attention-backend FLASH_ATTN, or serve with {fix})"
@@ -116,6 +134,12 @@ def fast_prefill_refusal(vllm_config, backend: str) -> str | None:
         return (
             "decode context parallel reads host copies of the offsets that SwiftKV's fast prefill fills "
             f"asynchronously (to resolve, serve with --decode-context-parallel-size 1, or with {fix})"
+        )
+    if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+        return (
+            "prefill context parallel makes vLLM's V2 runner skip SwiftKV's fast prefill without a word, so every "
+            "row would run every layer (to resolve, serve with --prefill-context-parallel-size 1, or with "
+            f"{fix})"
         )
     return None
 
@@ -231,8 +255,10 @@ def _register() -> None:
     from vllm import ModelRegistry
     from vllm.exceptions import VLLMValidationError
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from eval.serving.vllm.layout import keep_prefix_cache_outside_windows
     from swiftkv.configuration_swiftkv import LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig
 
     for config_class in (LlamaSwiftKVConfig, Qwen2SwiftKVConfig, Qwen3SwiftKVConfig):
@@ -252,6 +278,7 @@ def _register() -> None:
     _guard_prompt_logprobs(
         InputProcessor, functools.partial(VLLMValidationError, parameter="prompt_logprobs")
     )
+    keep_prefix_cache_outside_windows(Scheduler)  # exact K/V: no prefix hit or cached block inside a window
 
 
 def register() -> None:

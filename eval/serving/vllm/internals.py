@@ -15,6 +15,7 @@ where they are used, inside ``register()``'s guard, and are listed in ``USED`` a
 from __future__ import annotations
 
 from vllm.compilation.backends import set_model_tag
+from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
 from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed.parallel_state import (
@@ -44,6 +45,7 @@ from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends import utils as fast_prefill_utils
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
 encode_layer_name = _encode_layer_name  # public name inside the plugin
 
@@ -51,6 +53,8 @@ encode_layer_name = _encode_layer_name  # public name inside the plugin
 # class) that the plugin passes or reads.  Keep it in step with the imports above and the plugin's uses.
 USED: dict[str, tuple[str, ...]] = {
     "vllm.compilation.backends:set_model_tag": ("tag",),
+    # VLLM_USE_BREAKABLE_CUDAGRAPH as vLLM reads it, after its config may have turned it on (fast_prefill_refusal)
+    "vllm.compilation.breakable_cudagraph:is_breakable_cudagraph_enabled": (),
     "vllm.compilation.decorators:support_torch_compile": ("dynamic_arg_dims",),
     "vllm.compilation.decorators:ignore_torch_compile": ("cls",),
     "vllm.config.compilation:CUDAGraphMode": ("NONE", "PIECEWISE", "FULL", "has_piecewise_cudagraphs"),
@@ -67,7 +71,11 @@ USED: dict[str, tuple[str, ...]] = {
         "num_speculative_tokens",
         "enable_adaptive_verification",
     ),
-    "vllm.config.parallel:ParallelConfig": ("use_ubatching", "decode_context_parallel_size"),
+    "vllm.config.parallel:ParallelConfig": (
+        "use_ubatching",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ),
     "vllm.config.scheduler:SchedulerConfig": ("max_num_batched_tokens",),
     "vllm.distributed.parallel_state:get_pp_group": (),
     "vllm.distributed.parallel_state:get_tensor_model_parallel_world_size": (),
@@ -138,7 +146,25 @@ USED: dict[str, tuple[str, ...]] = {
         "logits_indices_padded",
         "num_logits_indices",
         "max_logits_per_req",
+        "seq_lens_cpu_upper_bound",  # the rows' positions (exact for requests still in their prompt)
+        "req_idx",  # V2: the step's requests -> request states (prompt lengths)
     ),
+    # exact K/V by position: each request's prompt length, from the model runner (exact.step_prompt_lens)
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": ("_build_attention_metadata", "input_batch"),
+    "vllm.v1.worker.gpu_input_batch:InputBatch": ("num_prompt_tokens",),
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner": ("prepare_inputs", "req_states"),
+    "vllm.v1.worker.gpu.states:RequestState": ("prompt_len",),
+    # exact K/V and the prefix cache: hits and cached blocks stop below each request's window
+    # (layout.keep_prefix_cache_outside_windows, layout.cap_prefix_cache)
+    "vllm.v1.core.sched.scheduler:Scheduler": ("vllm_config", "kv_cache_manager", "block_size"),
+    "vllm.v1.core.kv_cache_manager:KVCacheManager": (
+        "get_computed_blocks",
+        "coordinator",
+        "create_kv_cache_blocks",
+    ),
+    "vllm.v1.core.kv_cache_manager:KVCacheBlocks": ("blocks",),
+    "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator": ("cache_blocks",),
+    "vllm.v1.request:Request": ("num_prompt_tokens", "num_tokens"),
     "vllm.utils.torch_utils:_encode_layer_name": ("layer_name",),
     "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
     "vllm.v1.attention.backends.utils:KVSharingFastPrefillMetadata": (
@@ -207,5 +233,7 @@ __all__ = [
     "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "MergedColumnParallelLinear", "Qwen3DecoderLayer",
     "RMSNorm", "RowParallelLinear", "USED", "default_weight_loader", "encode_layer_name", "get_forward_context",
     "fast_prefill_utils", "get_pp_group", "get_tensor_model_parallel_world_size", "ignore_torch_compile",
+    "is_breakable_cudagraph_enabled",
     "set_model_tag", "support_torch_compile", "unified_attention_with_output", "unified_kv_cache_update",
+    "V1ModelRunner",
 ]  # fmt: skip

@@ -7,6 +7,7 @@ checked without starting an engine; ``eval.serving.vllm.llama`` builds and loads
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,22 +144,36 @@ class SwiftKVLayout:
         return TO_VLLM
 
 
-def exact_rows(query_start_loc: Sequence[int], window: int) -> tuple[list[int], int]:
-    """The rows of a step that run layers >= l and store exact K/V there with ``exact_kv_window = window``: each
-    request's last ``min(q_len, window)`` tokens (``query_start_loc``: the step's request boundaries, as vLLM's
-    attention metadata gives them), in order; and the most rows of one request.
+def exact_rows(
+    query_start_loc: Sequence[int], seq_lens: Sequence[int], prompt_lens: Sequence[int], window: int
+) -> tuple[list[int], list[bool], int]:
+    """The rows of a step that run layers >= l with ``exact_kv_window = window``, whether each stores exact K/V
+    there, and the most rows of one request.
 
-    That is the transformers model's rule (a forward with logits for its last k rows runs its last k - 1 + W)
-    for each request of a step, provided ``window >= 1 + num_speculative_tokens``: a request's logits rows are
-    then always among its last ``window`` rows (a prefill chunk has one, a verification ``1 + drafts <= window``
-    tokens, all of them).  A request with no tokens (vLLM's padding) adds nothing."""
+    The rule: position p of a request stores exact K/V iff ``p >= prompt_len - window`` (its prompt's last
+    ``window`` tokens, and every token it generated, including outputs recomputed after a preemption, which vLLM
+    re-prefills at positions >= prompt_len).  It depends on the request alone, never on where the scheduler cut
+    its prompt.  A request's rows in a step are positions ``seq_len - q_len .. seq_len - 1`` (``query_start_loc``:
+    the step's request boundaries; ``seq_lens``: each request's length after the step; ``prompt_lens``: its
+    prompt's), so its exact rows are a suffix of them.  A request with none (a chunk that ends before its window)
+    still runs its last row, the runner's logits row of that chunk, whose logits vLLM discards, and writes
+    nothing there, so every request keeps at least one row (vLLM's metadata for the upper layers has none with
+    zero queries).  Logits rows that matter (a prompt's last token, every decode or verification row) are
+    exact rows.  A request with no tokens (vLLM's padding) adds nothing."""
     rows: list[int] = []
+    writes: list[bool] = []
     widest = 0
-    for start, end in zip(query_start_loc[:-1], query_start_loc[1:], strict=True):
-        take = min(end - start, window)
+    for r, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:], strict=True)):
+        q = end - start
+        if q <= 0:
+            continue
+        computed = seq_lens[r] - q
+        exact = min(q, max(0, computed + q - (prompt_lens[r] - window)))
+        take = max(exact, 1)
         rows.extend(range(end - take, end))
+        writes.extend([exact > 0] * take)
         widest = max(widest, take)
-    return rows, widest
+    return rows, writes, widest
 
 
 def padded_count(count: int, sizes: Sequence[int], limit: int) -> int:
@@ -172,3 +187,69 @@ def captured_sizes(compilation_config) -> frozenset[int]:
     runner rewrites ``cudagraph_capture_sizes`` after the model is built (to multiples of 1 + the speculative
     tokens, ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``)."""
     return frozenset(compilation_config.cudagraph_capture_sizes or ())
+
+
+def exact_hit_cap(prompt_len: int, window: int, block_size: int) -> int:
+    """The most prompt tokens a request with exact K/V may take from the prefix cache, or put in it: the blocks
+    that end at or before ``prompt_len - window``, where its window starts.  So every position of its window is
+    computed by the request itself, and no cached block ever holds an exact row (a window or a generated token)
+    that another request could read as its own prompt."""
+    return max(0, prompt_len - window) // block_size * block_size
+
+
+def cap_prefix_cache(manager, window: int, block_size: int) -> None:
+    """Hold vLLM's KV cache manager ``manager`` (of one scheduler) to ``exact_hit_cap``: its prefix-cache hits
+    (``get_computed_blocks``, which every lookup of the scheduler goes through) are cut to the cap, and its
+    coordinator caches a request's blocks up to the cap only (``cache_blocks``, which ``allocate_slots`` and the
+    async scheduler call).  Duck-typed, so it is checked without vLLM."""
+    lookup, coordinator = manager.get_computed_blocks, manager.coordinator
+    cache = coordinator.cache_blocks
+
+    def get_computed_blocks(request):
+        blocks, hit, *rest = lookup(request)
+        cap = exact_hit_cap(request.num_prompt_tokens, window, block_size)
+        if hit > cap:
+            keep = cap // block_size
+            blocks = manager.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
+            hit = cap
+        return (blocks, hit, *rest)
+
+    def cache_blocks(request, num_tokens, *args, **kwargs):
+        cap = exact_hit_cap(request.num_prompt_tokens, window, block_size)
+        return cache(request, min(num_tokens, cap), *args, **kwargs)
+
+    manager.get_computed_blocks = get_computed_blocks
+    coordinator.cache_blocks = cache_blocks
+
+
+def served_exact_kv_window(vllm_config) -> int:
+    """The exact-K/V window W an engine serves the checkpoint with: the config's ``exact_kv_window`` for a SwiftKV
+    checkpoint that skips layers with vLLM's fast prefill on (without it the engine is refused at start,
+    ``exact_kv_refusal``), else 0."""
+    from eval.serving.vllm import skips_layers
+
+    hf_config = vllm_config.model_config.hf_config
+    window = getattr(hf_config, "exact_kv_window", 0) or 0
+    if not window or not skips_layers(hf_config) or not vllm_config.cache_config.kv_sharing_fast_prefill:
+        return 0
+    return window
+
+
+def keep_prefix_cache_outside_windows(scheduler_cls) -> None:
+    """Make every scheduler of ``scheduler_cls`` (vLLM's V1 ``Scheduler``, which ``AsyncScheduler`` extends) of an
+    engine serving exact K/V hold its KV cache manager to ``exact_hit_cap`` (``cap_prefix_cache``).  Installed at
+    plugin registration, which vLLM runs in the engine-core process, where the scheduler lives (``EngineCore``
+    loads the general plugins first); an engine without exact K/V is left as it is."""
+    init = scheduler_cls.__init__
+    if getattr(init, "swiftkv_prefix_cap", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        window = served_exact_kv_window(self.vllm_config)
+        if window:
+            cap_prefix_cache(self.kv_cache_manager, window, self.block_size)
+
+    __init__.swiftkv_prefix_cap = True
+    scheduler_cls.__init__ = __init__

