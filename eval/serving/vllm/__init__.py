@@ -148,7 +148,8 @@ def exact_kv_refusal(vllm_config, fast_prefill_off: str | None) -> str | None:
     """Why this engine cannot serve the checkpoint's exact K/V (``exact_kv_window = W >= 1``), or None.
 
     The rows that store exact K/V are the rows vLLM's fast prefill runs through layers >= l (W = 1: the logits
-    rows; W > 1: each request's last W rows, which the model has vLLM build the upper layers' metadata for), so:
+    rows; W > 1: each request's rows at positions >= prompt_len - W, which the model has vLLM build the upper
+    layers' metadata for), so:
     fast prefill must be on (``fast_prefill_off`` is its reason otherwise: with every row through every layer the
     rows that count as generated are unknown to the model); W > 1 must cover a verification's rows
     (``W >= 1 + num_speculative_tokens``), which are all logits rows; and the per-request rows come from the
@@ -170,7 +171,7 @@ def exact_kv_refusal(vllm_config, fast_prefill_off: str | None) -> str | None:
             f"{name} is shorter than a speculative verification (1 + num_speculative_tokens={drafts} rows) (to "
             f"resolve, use exact_kv_window 1 or >= {1 + drafts}, or at most {window - 1} speculative tokens)"
         )
-    if window > 1 and getattr(spec, "enable_adaptive_verification", False):
+    if getattr(spec, "enable_adaptive_verification", False):  # W = 1 too: its rows come from the boundaries
         return (
             f"{name} cannot follow adaptive verification, which trims the verified drafts on the device (to "
             "resolve, set enable_adaptive_verification false in the speculative config)"

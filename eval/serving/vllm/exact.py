@@ -45,6 +45,7 @@ from eval.serving.vllm.internals import (
     unified_attention_with_output,
 )
 from eval.serving.vllm.layout import captured_sizes, exact_rows, padded_count
+from eval.serving.vllm.staging import StagedRows
 
 # the attribute of each holder that holds the static slot buffer of the decode stack's rows
 SLOTS = "swiftkv_exact_slots"
@@ -119,8 +120,10 @@ class PromptWindow:
             window,
             compilation_config,
         )  # its sizes read when used (llama.py)
-        # row indices, then 1 where the row writes exact K/V (0: a chunk's logits row before its window, padding)
-        self.buffer = torch.zeros(2, rows, dtype=torch.int32, device=device)
+        # row indices, then 1 where the row writes exact K/V (0: a chunk's logits row before its window, padding),
+        # filled through pinned host buffers (staging.py: no host sync per armed step)
+        self.staging = StagedRows(rows, device, lanes=2)
+        self.buffer = self.staging.rows
         self.rows, self.writes = self.buffer[0], self.buffer[1]
         self.staged: torch.Tensor | None = None  # the rows view of the step widened last
 
@@ -147,10 +150,7 @@ class PromptWindow:
         sizes = sorted(captured_sizes(config)) if config.cudagraph_mode.has_piecewise_cudagraphs() else []
         size = padded_count(len(rows), sizes, self.rows.shape[0])
         pad = size - len(rows)
-        staged = torch.tensor(
-            [rows + rows[-1:] * pad, [int(w) for w in writes] + [0] * pad], dtype=torch.int32
-        )
-        self.buffer[:, :size].copy_(staged, non_blocking=True)
+        self.staging.upload(rows + rows[-1:] * pad, [int(w) for w in writes] + [0] * pad)
         self.staged = common.logits_indices_padded = self.rows[:size]
         common.num_logits_indices, common.max_logits_per_req = len(rows), widest
 

@@ -521,6 +521,7 @@ def test_config_hook_refuses_bad_switches_and_pooling(monkeypatch):
         (engine_config(exact_kv_window=3, cudagraph="FULL"), "needs SwiftKV fast prefill"),
         (engine_config(exact_kv_window=3, swiftkv_fast_prefill=False), "needs SwiftKV fast prefill"),
         (engine_config(exact_kv_window=3, spec="ngram", adaptive=True), "adaptive verification"),
+        (engine_config(exact_kv_window=1, spec="ngram", adaptive=True), "adaptive verification"),
         (engine_config(exact_kv_window=1, dbo=True), "micro-batching"),
         (engine_config(exact_kv_window=3, swiftkv=False, swiftkv_fast_prefill=False), None),  # teacher mode
     ],
