@@ -188,10 +188,42 @@ def render_conversation(messages: list[dict], tokenizer, loss_on: str = "assista
     return {"input_ids": enc["input_ids"], "counted": _counted(enc["offset_mapping"], spans).tolist()}
 
 
+def long_reply(
+    ids: list[int] | np.ndarray,
+    counted: np.ndarray,
+    min_prompt: int,
+    max_reply: int | None = None,
+    max_len: int | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The conversation cut after its last reply that starts at ``min_prompt`` tokens or later and before
+    ``max_len``, with only that reply counted (its first ``max_reply`` tokens): a served request whose prompt is
+    the whole history before the reply.  None when no reply qualifies."""
+    counted = np.asarray(counted, dtype=np.int8)
+    limit = min(len(ids), max_len or len(ids))
+    starts = np.flatnonzero(counted[:limit] & ~np.concatenate([[0], counted[: limit - 1]]).astype(bool))
+    starts = starts[(starts >= max(min_prompt, 1)) & (starts < limit - 1)]
+    if not len(starts):
+        return None
+    start = int(starts[-1])
+    end = start + int(np.argmin(np.concatenate([counted[start:limit], [0]])))  # the reply's end, within limit
+    if max_reply:
+        end = min(end, start + max_reply)
+    out = np.zeros(end, dtype=np.int8)
+    out[start:end] = 1
+    return np.asarray(ids[:end]), out
+
+
 def _tokenize_batch(
-    batch: dict[str, list], tokenizer, layout: str, loss_on: str, seq_len: int | None
+    batch: dict[str, list],
+    tokenizer,
+    layout: str,
+    loss_on: str,
+    seq_len: int | None,
+    min_prompt: int = 0,
+    max_reply: int | None = None,
 ) -> dict:
-    """Raw records -> trainable samples (``input_ids``, ``counted``), cut to ``seq_len``; others are dropped."""
+    """Raw records -> trainable samples (``input_ids``, ``counted``), cut to ``seq_len`` (with ``min_prompt``:
+    the ``long_reply`` of each conversation); others are dropped."""
     n = len(batch[LAYOUTS[layout][0]])
     if layout == "text":
         texts = [t for t in batch["text"] if t]
@@ -211,6 +243,11 @@ def _tokenize_batch(
     for ids, offsets, s in zip(enc["input_ids"], enc["offset_mapping"], spans, strict=True):
         every = s is None or loss_on == "all"
         counted = np.ones(len(ids), np.int8) if every else _counted(offsets, s)
+        if min_prompt:
+            cut = long_reply(ids, counted, min_prompt, max_reply, seq_len)
+            if cut is None:
+                continue
+            ids, counted = cut
         ids, counted = ids[:seq_len], counted[:seq_len]
         if counted[1:].any():  # e.g. a long prompt whose reply starts past seq_len: nothing to learn
             out["input_ids"].append(ids)
@@ -226,7 +263,15 @@ def _stats(source: DataSource, records: list[dict], tokenizer, seq_len: int | No
     columns = list(records[0])
     layout = resolve_layout(source, columns)
     batch = {c: [r.get(c) for r in records] for c in columns}
-    samples = _tokenize_batch(batch, tokenizer, layout, loss_on, seq_len)
+    samples = _tokenize_batch(
+        batch,
+        tokenizer,
+        layout,
+        loss_on,
+        source.max_tokens or seq_len,
+        source.min_prompt_tokens,
+        source.max_reply_tokens,
+    )
     return {
         "path": source.path,
         "format": layout,
@@ -278,7 +323,9 @@ def tokenize_source(source: DataSource, raw, tokenizer, data: DataSection):
             "tokenizer": tokenizer,
             "layout": layout,
             "loss_on": data.loss_on,
-            "seq_len": data.seq_len,
+            "seq_len": source.max_tokens or data.seq_len,
+            "min_prompt": source.min_prompt_tokens,
+            "max_reply": source.max_reply_tokens,
         },
         remove_columns=columns,
         features=features,

@@ -13,7 +13,9 @@ returns the loss.  It knows only the model's small distillation interface: ``set
 ``swiftkv_parameter_names`` and ``model.teacher_student_hidden`` (layers < l computed once for both paths).
 With exact K/V (``config.exact_kv_window``), the student's exact positions come from the loss mask
 (``swiftkv.modeling_swiftkv.exact_kv_positions``): the tokens a served reply runs through every layer.
-With ``shared_lower_layers=False`` it runs two ordinary forward passes instead (the naive baseline).
+The student's layers >= l run only the rows the loss reads and the exact ones (``student_rows_hidden``): a short
+reply after a long prompt costs the student a few rows, not the whole sequence.  With ``shared_lower_layers=False``
+it runs two ordinary forward passes instead (the naive baseline).
 """
 
 from __future__ import annotations
@@ -175,11 +177,21 @@ class DistillationObjective(nn.Module):
         """The SwiftKV causal LM, also when peft wraps it."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def _hidden(self, input_ids, position_ids, exact_mask):
+    def _hidden(self, input_ids, position_ids, exact_mask, loss_mask):
         lm = self.causal_lm
         if self.shared_lower_layers:
+            # the student's layers >= l run only the rows the loss reads (and the exact ones), unless the MSE
+            # is a mean over every position
+            wanted = self.loss_cfg.normalize == "counted" or self.loss_cfg.mse_weight == 0
+            query = (
+                None
+                if not wanted
+                else loss_mask.bool()
+                if exact_mask is None
+                else loss_mask.bool() | exact_mask
+            )
             teacher, student, t_in, s_in = lm.model.teacher_student_hidden(
-                input_ids, position_ids=position_ids, exact_mask=exact_mask
+                input_ids, position_ids=position_ids, exact_mask=exact_mask, query_mask=query
             )
             return teacher, student, t_in, s_in, lm.lm_head
         lm.set_mode("teacher")
@@ -211,7 +223,7 @@ class DistillationObjective(nn.Module):
     def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:
         cfg = self.loss_cfg
         exact = self.exact_mask(position_ids, loss_mask)
-        teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids, exact)
+        teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids, exact, loss_mask)
         mask = loss_mask.to(student.dtype)
         kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens, cfg.normalize)
         mse = masked_mse(s_in, t_in, mask, cfg.normalize) if cfg.mse_weight > 0 else kl.new_zeros(())

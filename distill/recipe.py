@@ -129,6 +129,30 @@ class DataSource(_Section):
     split: str = Field("train", description="split of a hub dataset")
     weight: float = Field(1.0, gt=0, description="relative share of this source in the mix")
     max_samples: int | None = Field(None, ge=1, description="take at most this many samples from the source")
+    max_tokens: int | None = Field(
+        None, ge=16, description="cut each sample of this source to this many tokens (default: data.seq_len)"
+    )
+    min_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="> 0: one sample per conversation, cut after its last reply that starts at this many tokens "
+        "or later (and before the cut), only that reply counted: a reply after a long prompt, the prompt-heavy "
+        "requests SwiftKV serves; conversations without one are skipped",
+    )
+    max_reply_tokens: int | None = Field(
+        None, ge=1, description="with min_prompt_tokens: count at most this many tokens of the reply"
+    )
+
+    @model_validator(mode="after")
+    def _long_prompt_fits(self):
+        if self.max_reply_tokens is not None and not self.min_prompt_tokens:
+            raise ValueError("max_reply_tokens needs min_prompt_tokens > 0 (one scored reply per sample)")
+        if self.max_tokens is not None and self.min_prompt_tokens >= self.max_tokens:
+            raise ValueError(
+                f"min_prompt_tokens={self.min_prompt_tokens} leaves no room for a reply within "
+                f"max_tokens={self.max_tokens}"
+            )
+        return self
 
 
 class DataSection(_Section):
@@ -149,6 +173,22 @@ class DataSection(_Section):
         ge=1,
         description="process-group timeout: other ranks wait this long for the main one to tokenize",
     )
+
+    @model_validator(mode="after")
+    def _sources_fit_rows(self):
+        for i, source in enumerate(self.sources):
+            if (source.max_tokens or 0) > self.seq_len:
+                raise ValueError(f"sources.{i}.max_tokens={source.max_tokens} exceeds seq_len={self.seq_len}")
+            if source.min_prompt_tokens >= (source.max_tokens or self.seq_len):
+                raise ValueError(
+                    f"sources.{i}.min_prompt_tokens={source.min_prompt_tokens} leaves no room for a reply within "
+                    f"{source.max_tokens or self.seq_len} tokens (raise data.seq_len)"
+                )
+            if source.min_prompt_tokens and self.loss_on == "all":
+                raise ValueError(
+                    f"sources.{i}.min_prompt_tokens needs loss_on: assistant (a reply after a prompt is scored)"
+                )
+        return self
 
 
 class LossSection(_Section):

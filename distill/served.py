@@ -113,74 +113,115 @@ def subsets(loss_mask: torch.Tensor, position_ids: torch.Tensor, first_tokens: i
     return {"reply": scored, f"first{first_tokens}": first_n, "first_reply": first_reply}
 
 
+Students = dict[str, tuple[torch.nn.Module, dict[str, int | None]]]
+
+
+def _device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device  # accelerate's hooks move inputs on from there
+
+
+@torch.no_grad()
+def teacher_hidden(
+    teacher, ids, position_ids, layers: set[int]
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The teacher's final normed hidden states and the input of each layer of ``layers`` (a SwiftKV model runs in
+    teacher mode and is left in student mode; any other causal LM is its own teacher)."""
+    if hasattr(teacher, "set_mode"):
+        teacher.set_mode("teacher")
+    out = teacher.model(ids, position_ids=position_ids, use_cache=False, output_hidden_states=True)
+    if hasattr(teacher, "set_mode"):
+        teacher.set_mode("student")
+    return out.last_hidden_state, {l: out.hidden_states[l] for l in layers}
+
+
+def shares_teacher(student, teacher) -> bool:
+    """Whether ``student`` computes the teacher's lower layers and head: every weight of the teacher's is in the
+    student, equal (a SwiftKV checkpoint distilled with only its SwiftKV weights trained, against its base)."""
+    if student is teacher:
+        return True
+    mine = dict(student.named_parameters())
+    return all(n in mine and torch.equal(p, mine[n].to(p.device)) for n, p in teacher.named_parameters())
+
+
 @torch.no_grad()
 def regime_sums(
-    model,
+    teacher,
+    students: Students,
     rows: dict[str, torch.Tensor],
-    windows: dict[str, int | None],
     batch_size: int = 4,
     first_tokens: int = FIRST_TOKENS,
-) -> dict[str, dict[str, torch.Tensor]]:
-    """``agreement_metrics`` sums of the student against its teacher on packed ``rows``, per regime and subset.
+) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """``agreement_metrics`` sums per packed row of each student against the teacher, per regime and subset:
+    ``{student: {regime: {"reply" | "first16" | "first_reply": [rows, 5]}}}`` (``metrics`` turns them into means).
 
-    ``windows``: regime name -> W, exact K/V on each scored reply and the W - 1 positions before it
-    (``exact_kv_positions``), or None for no exact position.  The teacher runs once per batch.  Returns
-    ``{regime: {"reply" | "first16" | "first_reply": sums}}`` (``metrics`` turns them into means).
+    ``students``: name -> (SwiftKV model sharing the teacher's weights, {regime: W}), W the exact K/V window of
+    the regime (exact K/V on each scored reply and the W - 1 positions before it, ``exact_kv_positions``) or None
+    for no exact position.  The teacher runs once per batch and hands each student the input of its layer l;
+    each student runs its layers >= l on the scored rows only (``student_rows_hidden``), which equals its own
+    teacher-forced pass there.
     """
-    device = model.get_input_embeddings().weight.device  # accelerate's hooks move inputs on from there
-    sums: dict[str, dict[str, torch.Tensor]] = {}
+    device = _device(teacher)
+    layers = {m.config.num_key_value_layers for m, _ in students.values()}
     n = rows["input_ids"].shape[0]
-    for i in tqdm(range(0, n, batch_size), desc=f"scoring {', '.join(windows)}", unit="batch", leave=False):
+    sums = {name: {r: {} for r in regimes} for name, (_, regimes) in students.items()}
+    for i in tqdm(range(0, n, batch_size), desc="scoring", unit="batch", leave=False):
         ids, pos, loss = (
             rows[k][i : i + batch_size].to(device) for k in ("input_ids", "position_ids", "loss_mask")
         )
         masks = subsets(loss, pos, first_tokens)
-        model.set_mode("teacher")
-        teacher = model.model(ids, position_ids=pos, use_cache=False).last_hidden_state
-        model.set_mode("student")
-        for regime, window in windows.items():
-            exact = (
-                torch.zeros_like(masks["reply"]) if window is None else exact_kv_positions(loss, pos, window)
-            )
-            student = model.model(
-                ids, position_ids=pos, use_cache=False, swiftkv_exact_mask=exact
-            ).last_hidden_state
-            per_token = token_agreement(student, teacher, model.lm_head, masks["reply"], input_ids=ids).cpu()
-            for name, mask in masks.items():
-                total = per_token[mask[masks["reply"]].cpu()].sum(0)
-                sums.setdefault(regime, {}).setdefault(name, torch.zeros(5, dtype=torch.float64)).add_(total)
+        reply = masks["reply"]
+        row_of = reply.nonzero()[:, 0].cpu()
+        final, lower = teacher_hidden(teacher, ids, pos, layers)
+        for name, (student, regimes) in students.items():
+            x_l = lower[student.config.num_key_value_layers]
+            for regime, window in regimes.items():
+                exact = None if window is None else exact_kv_positions(loss, pos, window)
+                query = reply if exact is None else reply | exact
+                hidden, _ = student.model.student_rows_hidden(x_l, pos, query, exact)
+                per_token = token_agreement(hidden, final, student.lm_head, reply, input_ids=ids).cpu()
+                for subset, mask in masks.items():
+                    keep = mask[reply].cpu()
+                    part = torch.zeros(len(ids), 5, dtype=torch.float64)
+                    part.index_add_(0, row_of[keep], per_token[keep])
+                    got = sums[name][regime].get(subset)
+                    sums[name][regime][subset] = part if got is None else torch.cat([got, part])
     return sums
 
 
 def metrics(sums: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Means over every row of one student's ``regime_sums``."""
     return {
-        regime: {name: metrics_from_sums(s) for name, s in parts.items()} for regime, parts in sums.items()
+        regime: {name: metrics_from_sums(s.sum(0)) for name, s in parts.items()}
+        for regime, parts in sums.items()
     }
 
 
 def served_sums(
-    model,
+    teacher,
+    students: Students,
     samples: list[dict],
     seq_len: int,
     pad: int,
-    windows: dict[str, int | None],
     batch_size: int = 4,
     **cut,
-) -> dict[str, dict[str, torch.Tensor]]:
+) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     """``regime_sums`` of every reply scored as served (``per_reply_samples``); the ``first_reply`` subset is the
-    first reply of each conversation (empty sums where no reply is left, e.g. prompt-heavy cuts of first replies)."""
+    first reply of each conversation (empty where no reply is left, e.g. prompt-heavy cuts of first replies)."""
     first, later = (per_reply_samples(samples, seq_len, part, **cut) for part in (slice(1), slice(1, None)))
-    empty = {
-        name: torch.zeros(5, dtype=torch.float64) for name in ("reply", f"first{FIRST_TOKENS}", "first_reply")
+    subset_names = ("reply", f"first{FIRST_TOKENS}", "first_reply")
+    empty = torch.zeros(0, 5, dtype=torch.float64)
+    sums = {
+        name: {r: {s: empty for s in subset_names} for r in regimes}
+        for name, (_, regimes) in students.items()
     }
-    sums = {regime: {name: s.clone() for name, s in empty.items()} for regime in windows}
     for part, is_first in ((first, True), (later, False)):
         if not part:
             continue
-        for regime, parts in regime_sums(model, pack(part, seq_len, pad), windows, batch_size).items():
-            for name, total in parts.items():
-                if is_first or name != "first_reply":
-                    sums[regime][name] += total
+        for name, by_regime in regime_sums(teacher, students, pack(part, seq_len, pad), batch_size).items():
+            for regime, parts in by_regime.items():
+                for subset, rows in parts.items():
+                    if is_first or subset != "first_reply":
+                        sums[name][regime][subset] = torch.cat([sums[name][regime][subset], rows])
     return sums
 
 
@@ -199,15 +240,10 @@ def exact_kv_table(
     reply token and the ``window`` prompt positions before each reply) and ``served_window`` (as served at W)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     samples = conversation_samples(tokenizer, n_conversations, seq_len, data)
-    table = regime_sums(
-        model,
-        pack(samples, seq_len, pad),
-        {"none": None, "every_reply": 1, "every_reply_window": window},
-        batch_size,
-    )
-    table.update(
-        served_sums(model, samples, seq_len, pad, {"each_reply": 1, "served_window": window}, batch_size)
-    )
+    packed = {"m": (model, {"none": None, "every_reply": 1, "every_reply_window": window})}
+    table = regime_sums(model, packed, pack(samples, seq_len, pad), batch_size)["m"]
+    alone = {"m": (model, {"each_reply": 1, "served_window": window})}
+    table.update(served_sums(model, alone, samples, seq_len, pad, batch_size)["m"])
     return metrics(table)
 
 

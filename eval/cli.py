@@ -14,6 +14,7 @@ from toolkit.cliargs import (
     command_parser,
     existing_path,
     float_list,
+    int_list,
     run,
 )
 
@@ -102,6 +103,22 @@ def build_parser() -> ArgumentParser:
         default="sharegpt",
         help="held-out conversations: 'sharegpt' (its held-out split) or a JSONL file of your own, used whole",
     )
+    quality.add_argument(
+        "--prompt-heavy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also score after long prompts (eval.prompt_heavy): N held-out replies per prompt-length band "
+        "(1-2k, 2-4k, 4-8k tokens), N documents, N // 2 samples per retrieval task and length (default: 0, off)",
+    )
+    quality.add_argument(
+        "--retrieval-lengths",
+        type=int_list,
+        default=[1024, 2048, 4096, 8192],
+        metavar="N,N",
+        help="prompt lengths of the retrieval tasks (default: 1024,2048,4096,8192; those past the model's "
+        "positions are left out)",
+    )
     add_placement(quality)
     report = sub.add_parser("report", help="report.md and PNG plots from RUN_DIR/run.json")
     add_model(report, "run_dir", help="run folder holding run.json")
@@ -178,6 +195,7 @@ def _command(args) -> str:
     if args.command == "quality":
         from toolkit.assets import resolve_data_path
 
+        from .prompt_heavy import prompt_heavy_settings
         from .quality import check_placement, evaluate_quality
 
         check_placement(args.device, args.dtype)
@@ -191,6 +209,7 @@ def _command(args) -> str:
             dtype=args.dtype,
             batch_size=args.batch_size,
             data=args.data,
+            prompt_heavy=prompt_heavy_settings(args.prompt_heavy, args.retrieval_lengths),
         )
         return json.dumps(result, indent=2)
     if args.command == "vllm-args":

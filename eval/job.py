@@ -37,6 +37,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
+QUALITY_ARGS = ("n_conversations", "seq_len", "n_prompts", "max_new_tokens")
 LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
   swiftkv run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
@@ -58,9 +59,27 @@ class QualitySettings(_Settings):
     seq_len: int = Field(ge=16, description="tokens of each conversation scored")
     n_prompts: int = Field(ge=0, description="held-out prompts for greedy agreement of free generation")
     max_new_tokens: int = Field(ge=1, description="tokens generated per prompt")
-    n_long: int = Field(
-        ge=0, description="conversations for the prompt-heavy row (replies after long prompts)"
+    band_replies: int = Field(
+        ge=0, description="prompt-heavy: held-out replies per prompt-length band (1-2k, 2-4k, 4-8k tokens)"
     )
+    bands: list[tuple[int, int]] = Field(
+        description="prompt-heavy: prompt-length bands [lo, hi) of the replies"
+    )
+    retrieval_lengths: list[int] = Field(description="prompt-heavy: prompt lengths of the retrieval tasks")
+    retrieval_samples: int = Field(ge=0, description="prompt-heavy: samples per retrieval task and length")
+    documents: int = Field(ge=0, description="prompt-heavy: documents with the teacher's own reply scored")
+
+    def prompt_heavy(self) -> dict | None:
+        """``eval.prompt_heavy.prompt_heavy_metrics``'s settings (None: none measured)."""
+        if not (self.band_replies or self.retrieval_samples or self.documents):
+            return None
+        return {
+            "band_replies": self.band_replies,
+            "bands": [tuple(b) for b in self.bands],
+            "retrieval_lengths": self.retrieval_lengths,
+            "retrieval_samples": self.retrieval_samples,
+            "documents": self.documents,
+        }
 
 
 class SpeedSettings(_Settings):
@@ -127,7 +146,17 @@ class JobConfig(_Settings):
 
 FULL = JobConfig(
     fractions=[0.25, 0.5],
-    quality=QualitySettings(n_conversations=32, seq_len=512, n_prompts=8, max_new_tokens=32, n_long=8),
+    quality=QualitySettings(
+        n_conversations=32,
+        seq_len=512,
+        n_prompts=8,
+        max_new_tokens=32,
+        band_replies=12,
+        bands=[(1024, 2048), (2048, 4096)],
+        retrieval_lengths=[1024, 2048],
+        retrieval_samples=6,
+        documents=6,
+    ),
     speed=SpeedSettings(lengths=[512, 1024, 2048], repeats=3, decode_context=1024, decode_steps=10),
     harness=HarnessSettings(limit=50, max_length=1024),
     n_docs=100,
@@ -143,7 +172,17 @@ QUICK = JobConfig(
         "log.every_steps=1",
         "log.eval_every_steps=null",
     ],
-    quality=QualitySettings(n_conversations=4, seq_len=128, n_prompts=2, max_new_tokens=8, n_long=1),
+    quality=QualitySettings(
+        n_conversations=4,
+        seq_len=128,
+        n_prompts=2,
+        max_new_tokens=8,
+        band_replies=1,
+        bands=[(1024, 2048)],
+        retrieval_lengths=[512],
+        retrieval_samples=1,
+        documents=1,
+    ),
     speed=SpeedSettings(lengths=[128, 256], repeats=1, decode_context=128, decode_steps=3),
     harness=HarnessSettings(limit=5, max_length=256),
     n_docs=10,
@@ -182,7 +221,7 @@ def run_job(config: JobConfig = FULL) -> Path:
     from toolkit.stages import run_stage
 
     from .harness import run_harness
-    from .quality import check_placement, evaluate_quality
+    from .quality import check_placement, evaluate_quality, evaluate_variants
     from .report import write_report
     from .tasks import write_tasks
 
@@ -230,18 +269,26 @@ def run_job(config: JobConfig = FULL) -> Path:
             shlex.join([*(launcher if config.launch else ["swiftkv", "distill"]), str(student)]),
         ]
 
-    quality_settings = config.quality.model_dump()
+    # every checkpoint scored in one stage, one teacher pass per sample (the converted ones: all prompt only,
+    # the report's "before")
+    swiftkv_variants = [v for v in variants if v["fraction"]]
+    before = frozenset(v["name"] for v in swiftkv_variants if v["name"].endswith("-converted"))
+    settings = {k: v for k, v in config.quality.model_dump().items() if k in QUALITY_ARGS}
+    settings["prompt_heavy"] = config.quality.prompt_heavy()
+    _, qualities = run_stage(
+        run_dir,
+        "quality",
+        {"models": {v["name"]: v["key"] for v in variants}, "cfg": config.quality.model_dump(), **placement},
+        lambda: {
+            "original": evaluate_quality(base, **{**settings, "prompt_heavy": None}, **placement),
+            **evaluate_variants(
+                base, {v["name"]: v["dir"] for v in swiftkv_variants}, before, **settings, **placement
+            ),
+        },
+    )
     for v in variants:
-        # before distillation only the all-prompt numbers are reported (the report's "before -> after")
-        before = v["name"].endswith("-converted")
-        settings = {**quality_settings, "served": False, "n_prompts": 0} if before else quality_settings
-        _, v["quality"] = run_stage(
-            run_dir,
-            f"quality-{v['name']}",
-            {"model": v["key"], "cfg": settings, **placement},
-            lambda v=v, settings=settings: evaluate_quality(v["dir"], **settings, **placement),
-        )
-        if v["fraction"]:  # the SwiftKV folders this job wrote (never the user's model) carry the numbers
+        v["quality"] = qualities[v["name"]]
+        if v["fraction"] and v["name"] not in before:  # the SwiftKV folders this job wrote carry the numbers
             _card_quality(Path(v["dir"]), v["quality"], config)
     measured = [v for v in variants if not v["name"].endswith("-converted")]
     speed_inputs = {"models": [v["key"] for v in measured], **config.speed.model_dump(), **placement}

@@ -14,12 +14,13 @@ Two numbers for the token metrics, so that nobody is fooled by either:
   it as prompt, so that exactly the positions a served request runs through every layer (that reply, and with
   ``exact_kv_window = W`` the W prompt tokens before it) take exact K/V (``distill.served``), as vLLM or
   ``generate()`` without a prefix-cache hit compute them.  Subsets: every reply token, the first 16 tokens of
-  each reply, the first reply of each conversation, and replies after at least ``long_context`` prompt tokens
-  (``long_prompt``: the prompt-heavy requests RAG and summarization serve).  Without exact K/V the two regimes
-  are the same.
+  each reply, the first reply of each conversation.  Without exact K/V the two regimes are the same.
+* **prompt heavy** (``prompt_heavy``, optional): replies after 1-8k prompt tokens, synthetic retrieval and
+  documents that are not chat (``eval.prompt_heavy``).
 
 Both are scored on the same samples (each reply cut after it, everything before it as prompt; causal attention
-makes the all-prompt logits of a cut sample those of the whole conversation), with one teacher pass.
+makes the all-prompt logits of a cut sample those of the whole conversation), with one teacher pass per sample
+for every student (``students_quality``: the main job scores all its checkpoints so).
 
 Greedy agreement runs ``generate()``, which serves the checkpoint as it is (exact K/V included).
 
@@ -40,7 +41,7 @@ from tqdm.auto import tqdm
 
 from distill.data import pack, render_conversation
 from distill.objective import agreement_metrics, metrics_from_sums
-from distill.served import conversation_samples, metrics, served_sums
+from distill.served import conversation_samples, metrics, served_sums, shares_teacher
 from toolkit.assets import iter_conversations
 from toolkit.cliargs import UsageError
 
@@ -116,11 +117,24 @@ def token_metrics(model, rows: dict[str, torch.Tensor], batch_size: int = 4) -> 
 
 
 @torch.no_grad()
-def generation_agreement(model, tokenizer, prompts: list[str], max_new_tokens: int = 32) -> dict[str, float]:
-    if not _modes(model):
-        return {"greedy_prefix_agreement": 1.0, "greedy_exact_match": 1.0}
-    prefix, exact = [], []
-    device = input_device(model)
+def _greedy(model, ids: dict, max_new_tokens: int, mode: str) -> list[int]:
+    if _modes(model):
+        model.set_mode(mode)
+    gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    if _modes(model):
+        model.set_mode("student")
+    return gen[0, ids["input_ids"].shape[1] :].tolist()
+
+
+@torch.no_grad()
+def generation_agreement(
+    teacher, students: dict, tokenizer, prompts: list[str], max_new_tokens: int = 32
+) -> dict[str, dict[str, float]]:
+    """Greedy generation of each student against the teacher's on ``prompts`` (the teacher generates once per
+    prompt): the share of tokens before the first divergence, and exact matches."""
+    prefix = {name: [] for name in students}
+    exact = {name: [] for name in students}
+    device = input_device(teacher)
     for prompt in tqdm(prompts, desc="quality: greedy prompts", unit="prompt"):
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}],
@@ -128,58 +142,97 @@ def generation_agreement(model, tokenizer, prompts: list[str], max_new_tokens: i
             return_tensors="pt",
             return_dict=True,
         ).to(device)
-        outs = {}
-        for mode in ("teacher", "student"):
-            model.set_mode(mode)
-            gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
-            outs[mode] = gen[0, ids["input_ids"].shape[1] :].tolist()
-        t, s = outs["teacher"], outs["student"]
-        same = next((i for i, (a, b) in enumerate(zip(t, s, strict=False)) if a != b), min(len(t), len(s)))
-        prefix.append(same / max(len(t), 1))
-        exact.append(float(t == s))
-    model.set_mode("student")
+        t = _greedy(teacher, ids, max_new_tokens, "teacher")
+        for name, student in students.items():
+            s = _greedy(student, ids, max_new_tokens, "student")
+            same = next(
+                (i for i, (a, b) in enumerate(zip(t, s, strict=False)) if a != b), min(len(t), len(s))
+            )
+            prefix[name].append(same / max(len(t), 1))
+            exact[name].append(float(t == s))
     return {
-        "greedy_prefix_agreement": sum(prefix) / len(prefix),
-        "greedy_exact_match": sum(exact) / len(exact),
+        name: {
+            "greedy_prefix_agreement": sum(prefix[name]) / len(prefix[name]),
+            "greedy_exact_match": sum(exact[name]) / len(exact[name]),
+        }
+        for name in students
     }
 
 
+def _regimes(model, served: bool) -> dict[str, int | None]:
+    window = model.config.exact_kv_window or None
+    return {"all_prompt": None, **({"served": window} if served and window else {})}
+
+
 @torch.no_grad()
-def served_metrics(
-    model,
+def students_quality(
+    teacher,
+    students: dict,
     tokenizer,
     n_conversations: int = 32,
     seq_len: int = 512,
+    n_prompts: int = 8,
+    max_new_tokens: int = 32,
     batch_size: int = 4,
     data: str | Path = "sharegpt",
-    served: bool = True,
-    long_context: int = 1024,
-    n_long: int = 8,
-    long_reply: int = 64,
-) -> dict[str, dict[str, dict[str, float]]]:
-    """Token metrics of each reply scored in a sample of its own (module docstring), in both regimes with one
-    teacher pass: ``{"all_prompt" | "served": {"reply" | "first16" | "first_reply": metrics}}`` (``served`` False:
-    all prompt only); ``served`` also has ``long_prompt``, the first ``long_reply`` tokens of each reply that starts
-    after at least ``long_context`` tokens in the first ``n_long`` such held-out conversations (0, or data
-    without one: left out).  Without exact K/V the two regimes are one computation."""
-    window = model.config.exact_kv_window or None
-    regimes = {"all_prompt": None, **({"served": window} if served and window else {})}
+    before: frozenset[str] = frozenset(),
+    prompt_heavy: dict | None = None,
+) -> dict[str, dict]:
+    """All quality metrics of SwiftKV ``students`` (name -> model sharing ``teacher``'s weights, checked) against
+    the teacher, one teacher pass per sample for all of them: the all-prompt reply metrics at the top level,
+    ``all_prompt`` and ``served`` by subset, greedy agreement, and (``prompt_heavy``: the keyword arguments of
+    ``eval.prompt_heavy.prompt_heavy_metrics``) ``prompt_heavy``.  Students in ``before`` (checkpoints before
+    distillation) get the all-prompt numbers only."""
+    for name, student in students.items():
+        if not _modes(student) or not shares_teacher(student, teacher):
+            raise UsageError(
+                f"{name} is not a SwiftKV checkpoint of the teacher's weights (to resolve, evaluate it alone with "
+                "`swiftkv quality`)"
+            )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     samples = conversation_samples(tokenizer, n_conversations, seq_len, data)
-    out = metrics(served_sums(model, samples, seq_len, pad, regimes, batch_size))
-    if not served:
-        return out
-    out.setdefault("served", out["all_prompt"])
-    if n_long:
-        long_len = long_context + long_reply
-        long = conversation_samples(tokenizer, n_long, long_len, data, long_context, required=False)
-        if long:
-            cut = {"min_context": long_context, "max_reply": long_reply}
-            sums = served_sums(model, long, long_len, pad, {"served": window}, 1, **cut)
-            long_metrics = metrics(sums)["served"]["reply"]
-            if long_metrics["tokens"]:
-                out["served"] = {**out["served"], "long_prompt": long_metrics}
+    plan = {name: (m, _regimes(m, name not in before)) for name, m in students.items()}
+    sums = served_sums(teacher, plan, samples, seq_len, pad, batch_size)
+    after = {name: m for name, m in students.items() if name not in before}
+    prompts = [p for p, _ in held_out_pairs(n_prompts, max_chars=400, data=data)] if n_prompts else []
+    greedy = (
+        generation_agreement(teacher, after, tokenizer, prompts, max_new_tokens) if prompts and after else {}
+    )
+    heavy = None
+    if prompt_heavy is not None and after:
+        from .prompt_heavy import prompt_heavy_metrics
+
+        heavy = prompt_heavy_metrics(teacher, after, tokenizer, data=data, **prompt_heavy)
+    out = {}
+    for name, student in students.items():
+        by_regime = metrics(sums[name])
+        if name not in before:  # without exact K/V the two regimes are one computation
+            by_regime.setdefault("served", by_regime["all_prompt"])
+        out[name] = {
+            **by_regime["all_prompt"]["reply"],
+            **greedy.get(name, {}),
+            "exact_kv_window": student.config.exact_kv_window,
+            **by_regime,
+        }
+        if heavy is not None and name in after:
+            out[name]["prompt_heavy"] = _for_student(heavy, name)
     return out
+
+
+def _for_student(heavy: dict, name: str) -> dict:
+    """One student's part of ``prompt_heavy_metrics`` (with the teacher's retrieval accuracy beside its own)."""
+    return {
+        "bands": {band: by_name[name] for band, by_name in heavy["bands"].items()},
+        "retrieval": {
+            task: {
+                n: {"samples": r["samples"], "teacher": r["teacher"], "student": r[name]}
+                for n, r in by_len.items()
+            }
+            for task, by_len in heavy["retrieval"].items()
+        },
+        "documents": heavy["documents"].get(name, {}),
+        "settings": heavy["settings"],
+    }
 
 
 def quality_of(
@@ -191,26 +244,29 @@ def quality_of(
     max_new_tokens: int = 32,
     batch_size: int = 4,
     data: str | Path = "sharegpt",
-    n_long: int = 8,
     served: bool = True,
+    prompt_heavy: dict | None = None,
 ) -> dict:
-    """All quality metrics of a loaded model against its teacher mode: for a SwiftKV model the all-prompt reply
-    metrics at the top level, ``all_prompt`` and ``served`` by subset (``served`` False: all prompt only, as for a
-    checkpoint before distillation); ``n_prompts`` 0 leaves greedy agreement out."""
-    prompts = [p for p, _ in held_out_pairs(n_prompts, max_chars=400, data=data)] if n_prompts else []
-    greedy = generation_agreement(model, tokenizer, prompts, max_new_tokens) if prompts else {}
-    if not _modes(model):  # its own teacher: one pass gives the perplexity, the rest is 0 and 1
+    """All quality metrics of a loaded model against its teacher mode (``students_quality`` with the model as its
+    own teacher; ``served`` False: all prompt only, as for a checkpoint before distillation).  A model that is not
+    SwiftKV is its own teacher: its perplexity, KL 0 and agreement 1."""
+    if not _modes(model):
         rows = held_out_rows(tokenizer, n_conversations, seq_len, data)
+        greedy = {"greedy_prefix_agreement": 1.0, "greedy_exact_match": 1.0} if n_prompts else {}
         return {**token_metrics(model, rows, batch_size), **greedy}
-    by_regime = served_metrics(
-        model, tokenizer, n_conversations, seq_len, batch_size, data, served, n_long=n_long
-    )
-    return {
-        **by_regime["all_prompt"]["reply"],
-        **greedy,
-        "exact_kv_window": model.config.exact_kv_window,
-        **by_regime,
-    }
+    return students_quality(
+        model,
+        {"model": model},
+        tokenizer,
+        n_conversations,
+        seq_len,
+        n_prompts if served else 0,
+        max_new_tokens,
+        batch_size,
+        data,
+        frozenset() if served else frozenset({"model"}),
+        prompt_heavy if served else None,
+    )["model"]
 
 
 def evaluate_quality(
@@ -224,8 +280,8 @@ def evaluate_quality(
     dtype: str = "float32",
     batch_size: int = 4,
     data: str | Path = "sharegpt",
-    n_long: int = 8,
     served: bool = True,
+    prompt_heavy: dict | None = None,
 ) -> dict:
     """All quality metrics of one checkpoint against its teacher, with the device and dtype they ran in."""
     model, tokenizer = load_for_eval(model_dir, device, dtype)
@@ -238,7 +294,24 @@ def evaluate_quality(
         max_new_tokens,
         batch_size,
         data,
-        n_long,
         served,
+        prompt_heavy,
     )
     return {**result, "device": device, "dtype": dtype}
+
+
+def evaluate_variants(
+    teacher_dir: str | Path,
+    variants: dict[str, str | Path],
+    before: frozenset[str] = frozenset(),
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **settings,
+) -> dict[str, dict]:
+    """``students_quality`` of SwiftKV checkpoints (name -> folder) distilled from ``teacher_dir``, loaded once
+    each, with the device and dtype they ran in."""
+    teacher, tokenizer = load_for_eval(teacher_dir, device, dtype)
+    students = {name: load_for_eval(path, device, dtype)[0] for name, path in variants.items()}
+    result = students_quality(teacher, students, tokenizer, before=before, **settings)
+    return {name: {**r, "device": device, "dtype": dtype} for name, r in result.items()}

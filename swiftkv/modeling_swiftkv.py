@@ -139,10 +139,13 @@ class SwiftKVAttentionMixin:
         swiftkv_kv=None,
         exact_kv_mask=None,
         exact_kv_rows=None,
+        exact_kv_index=None,
         **kwargs,
     ):
         """``swiftkv_kv``: the group's SwiftKV K/V of every key position; ``exact_kv_mask`` [batch, kv] then swaps
         in this layer's exact K/V where True (teacher-forced: every position runs this layer).  With
+        ``exact_kv_index`` [rows] the hidden states are only some rows of the sequence (``student_rows_hidden``):
+        row i swaps its exact K/V in at key position ``exact_kv_index[i]`` (-1: it keeps the SwiftKV K/V).  With
         ``exact_kv_rows = E`` (generation), ``swiftkv_kv`` holds the SwiftKV K/V of this forward's positions
         before its last E (or is None) and the last E rows add their exact K/V: the layer then stores this
         forward's K/V in the cache itself, once, as an ordinary layer does."""
@@ -167,6 +170,14 @@ class SwiftKVAttentionMixin:
                 exact_key, exact_value = self.exact_key_value(hidden_states, position_embeddings)
                 swap = exact_kv_mask[:, None, :, None].to(key.device)
                 key, value = torch.where(swap, exact_key, key), torch.where(swap, exact_value, value)
+            elif exact_kv_index is not None and bool((exact_kv_index >= 0).any()):
+                take = exact_kv_index >= 0
+                cos, sin = position_embeddings
+                exact_key, exact_value = self.exact_key_value(
+                    hidden_states[:, take], (cos[:, take], sin[:, take])
+                )
+                at = exact_kv_index[take].to(key.device)
+                key, value = key.index_copy(2, at, exact_key), value.index_copy(2, at, exact_value)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -376,16 +387,21 @@ class SwiftKVModelMixin:
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
         return _Prepared(inputs_embeds, mask, position_embeddings, position_ids, cache, kept_rows_mask)
 
-    def _run(self, layers, hidden_states, prepared: _Prepared, kv=None, exact=None, **kwargs):
+    def _run(
+        self, layers, hidden_states, prepared: _Prepared, kv=None, exact=None, exact_index=None, **kwargs
+    ):
         """Run ``layers`` (a slice of self.layers).  ``kv`` holds the SwiftKV K/V per group when given, and
         ``exact`` either a [batch, seq] mask that swaps in each layer's exact K/V where True, or (generation) a
         number E of last rows that add their exact K/V to ``kv``, the SwiftKV K/V of the positions before them
-        (None: none), and store both in the cache (``SwiftKVAttentionMixin.forward``)."""
+        (None: none), and store both in the cache; ``exact_index`` instead: the hidden states are some rows of
+        the sequence, each swapping its exact K/V in at that key position (-1: none) (``SwiftKVAttentionMixin.forward``)."""
         g, first = self.config.key_value_group_size, self.config.num_key_value_layers
         for layer in layers:
             group = None if kv is None else kv[(layer.self_attn.layer_idx - first) // g]
             if isinstance(exact, int):
                 extra = {"swiftkv_kv": group, "exact_kv_rows": exact, "cache": prepared.cache}
+            elif exact_index is not None:
+                extra = {"swiftkv_kv": group, "exact_kv_index": exact_index, "cache": None}
             elif kv is not None:
                 extra = {"swiftkv_kv": group, "exact_kv_mask": exact, "cache": None}
             else:
@@ -475,13 +491,18 @@ class SwiftKVModelMixin:
             last_hidden_state=self.norm(hidden), cache=prepared.cache if use_cache else None
         )
 
-    def teacher_student_hidden(self, input_ids, attention_mask=None, position_ids=None, exact_mask=None):
+    def teacher_student_hidden(
+        self, input_ids, attention_mask=None, position_ids=None, exact_mask=None, query_mask=None
+    ):
         """Final normed hidden states of the teacher (original, no grad) and the student (SwiftKV), plus both
         paths' input to the last layer, with layers < l computed once for both.  ``exact_mask`` [batch, seq]: the
         positions whose K/V in layers >= l are exact in the student (default with ``exact_kv_window = W``: the
-        last W, as ``forward`` treats an input without a mask).  Layers < l build no graph when
-        none of their weights (nor the embeddings) trains: activation checkpointing makes the embeddings'
-        output require grad, which would otherwise recompute them and backpropagate through them for nothing."""
+        last W, as ``forward`` treats an input without a mask).  ``query_mask`` [batch, seq]: the positions whose
+        student outputs are wanted (the scored ones; it must hold every exact position): the student's layers
+        >= l then run those rows only (``student_rows_hidden``) and its outputs are zero elsewhere.  Layers < l
+        build no graph when none of their weights (nor the embeddings) trains: activation checkpointing makes
+        the embeddings' output require grad, which would otherwise recompute them and backpropagate through
+        them for nothing."""
         l, window = self.config.num_key_value_layers, self.config.exact_kv_window
         if exact_mask is None and window:
             exact_mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
@@ -497,10 +518,76 @@ class SwiftKVModelMixin:
         with torch.no_grad():
             t_last_in = self._run(self.layers[l:-1], x_l, prepared)
             teacher = self.norm(self._run(self.layers[-1:], t_last_in, prepared))
+        if query_mask is not None and self.config._attn_implementation in ROWS_BACKENDS:
+            student, s_last_in = self.student_rows_hidden(
+                x_l, prepared.position_ids, query_mask, exact_mask, attention_mask
+            )
+            return teacher, student, t_last_in, s_last_in
         kv = self.swiftkv_key_values(x_l, prepared)
         s_last_in = self._run(self.layers[l:-1], x_l, prepared, kv, exact_mask)
         student = self.norm(self._run(self.layers[-1:], s_last_in, prepared, kv, exact_mask))
         return teacher, student, t_last_in, s_last_in
+
+    def student_rows_hidden(self, x_l, position_ids, query_mask, exact_mask=None, attention_mask=None):
+        """The student's final normed hidden states and last-layer input [batch, seq, hidden] at the positions of
+        ``query_mask`` (zero elsewhere), from ``x_l``, the input of layer l at every position (the lower layers
+        are the teacher's: it may come from a teacher pass).
+
+        Only those rows run layers >= l: every other position's K/V there are SwiftKV K/V of ``x_l``, so its
+        hidden states in those layers are never read.  The rows of ``exact_mask`` (a subset of ``query_mask``)
+        swap their exact K/V in, as a teacher-forced pass with ``swiftkv_exact_mask`` does; the result equals that
+        pass at the queried positions, for a fraction of its cost when the scored rows are few (a short reply
+        after a long prompt).  Packed samples (``position_ids`` restarting at 0) attend within themselves;
+        ``attention_mask`` [batch, seq] (1 = real token) drops padded keys.  sdpa and eager attention only.
+        """
+        if self.config._attn_implementation not in ROWS_BACKENDS:
+            raise ValueError(
+                f"student_rows_hidden needs sdpa or eager attention, not {self.config._attn_implementation!r} "
+                "(to resolve, load the model with attn_implementation='sdpa')"
+            )
+        l = self.config.num_key_value_layers
+        position_ids = position_ids.expand(x_l.shape[0], -1)
+        cos, sin = self.rotary_emb(x_l, position_ids=position_ids)
+        full = _Prepared(x_l, None, (cos, sin), position_ids, None)
+        kv = self.swiftkv_key_values(x_l, full)
+        sample = (position_ids == 0).cumsum(-1)
+        keys = torch.arange(x_l.shape[1], device=x_l.device)
+        batch_index, row_index, normed, last_in = [], [], [], []
+        for b in range(x_l.shape[0]):
+            rows = query_mask[b].nonzero()[:, 0].to(x_l.device)
+            if not len(rows):
+                continue
+            allowed = (keys[None] <= rows[:, None]) & (sample[b][None] == sample[b][rows][:, None])
+            if attention_mask is not None:
+                allowed &= attention_mask[b].bool().to(x_l.device)[None]
+            exact = None if exact_mask is None else torch.where(exact_mask[b].to(x_l.device)[rows], rows, -1)
+            mask = torch.zeros(allowed.shape, dtype=x_l.dtype, device=x_l.device)  # additive: eager adds it
+            mask = mask.masked_fill(~allowed, torch.finfo(x_l.dtype).min)
+            sub = _Prepared(
+                x_l[b : b + 1, rows],
+                mask[None, None],
+                (cos[b : b + 1, rows], sin[b : b + 1, rows]),
+                position_ids[b : b + 1, rows],
+                None,
+            )
+            group_kv = [(k[b : b + 1], v[b : b + 1]) for k, v in kv]
+            if exact is None:
+                exact = torch.full_like(rows, -1)
+            h = self._run(self.layers[l:-1], sub.hidden_states, sub, group_kv, exact_index=exact)
+            last_in.append(h[0])
+            normed.append(self.norm(self._run(self.layers[-1:], h, sub, group_kv, exact_index=exact))[0])
+            batch_index.append(torch.full_like(rows, b))
+            row_index.append(rows)
+        if not row_index:
+            return torch.zeros_like(x_l), torch.zeros_like(x_l)
+        at = (torch.cat(batch_index), torch.cat(row_index))
+        return (
+            x_l.new_zeros(x_l.shape).index_put(at, torch.cat(normed)),
+            x_l.new_zeros(x_l.shape).index_put(at, torch.cat(last_in)),
+        )
+
+
+ROWS_BACKENDS = ("sdpa", "eager")  # attention that takes an explicit boolean mask for some query rows
 
 
 class SwiftKVForCausalLMMixin:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from helpers import ROOT
@@ -472,3 +473,34 @@ def test_plain_text_counts_every_token(smollm2, recipe_file, tmp_path):
     lines = [line for line in path.read_text().splitlines() if line]
     want = sorted(len(tok(line, add_special_tokens=False)["input_ids"]) - 1 for line in lines)
     assert sorted(train["loss_mask"][:].sum(1).tolist()) == want  # every token but the first is predicted
+
+
+def test_long_reply_cuts_after_the_last_reply_past_the_prompt_length():
+    """One sample per conversation: cut after the last reply that starts at min_prompt or later (before the
+    cut), only that reply counted, at most max_reply tokens of it."""
+    from distill.data import long_reply
+
+    counted = np.array([0] * 5 + [1] * 4 + [0] * 6 + [1] * 5 + [0] * 3 + [1] * 2, dtype=np.int8)
+    ids = np.arange(len(counted))
+    got_ids, got = long_reply(ids, counted, min_prompt=10)
+    assert got.tolist() == [0] * 23 + [1] * 2 and got_ids.tolist() == list(range(25))
+    got_ids, got = long_reply(ids, counted, min_prompt=10, max_len=22)  # the last reply starts past the cut
+    assert got.tolist() == [0] * 15 + [1] * 5 and len(got_ids) == 20
+    _, got = long_reply(ids, counted, min_prompt=10, max_reply=3, max_len=22)
+    assert got.tolist() == [0] * 15 + [1] * 3
+    _, got = long_reply(ids, counted, min_prompt=3, max_len=12)  # a reply cut by max_len keeps what fits
+    assert got.tolist() == [0] * 5 + [1] * 4
+    assert long_reply(ids, counted, min_prompt=24) is None
+
+
+def test_recipe_refuses_a_long_prompt_source_that_cannot_fit():
+    from distill.recipe import DataSection
+
+    with pytest.raises(
+        ValueError, match="min_prompt_tokens=600 leaves no room for a reply within 512 tokens"
+    ):
+        DataSection(sources=[{"path": "sharegpt", "min_prompt_tokens": 600}], seq_len=512)
+    with pytest.raises(ValueError, match="max_tokens=1024 exceeds seq_len=512"):
+        DataSection(sources=[{"path": "sharegpt", "max_tokens": 1024}], seq_len=512)
+    with pytest.raises(ValueError, match="max_reply_tokens needs min_prompt_tokens > 0"):
+        DataSection(sources=[{"path": "sharegpt", "max_reply_tokens": 8}], seq_len=512)

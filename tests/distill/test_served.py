@@ -11,7 +11,7 @@ from helpers.models import tiny_base, to_swiftkv
 
 from distill.data import pack
 from distill.diagnose import main as diagnose_main
-from distill.served import per_reply_samples, regime_sums, replies, subsets
+from distill.served import per_reply_samples, regime_sums, replies, served_sums, subsets
 from swiftkv.modeling_swiftkv import exact_kv_positions
 
 
@@ -69,7 +69,10 @@ def test_no_exact_position_is_the_plain_student():
     model = to_swiftkv(tiny_base("llama"), l=2)
     samples = [{"input_ids": torch.randint(3, 128, (20,)).tolist(), "counted": [0] * 8 + [1] * 12}]
     rows = pack(samples, 24, 0)
-    sums = regime_sums(model, rows, {"none": None, "reply": 1})
+    sums = {
+        r: {k: v.sum(0) for k, v in parts.items()}
+        for r, parts in regime_sums(model, {"m": (model, {"none": None, "reply": 1})}, rows)["m"].items()
+    }
     with torch.no_grad():
         model.set_mode("teacher")
         teacher = torch.log_softmax(model(rows["input_ids"], position_ids=rows["position_ids"]).logits, -1)
@@ -123,12 +126,33 @@ def test_long_prompt_samples_need_a_reply_that_starts_after_the_context(tmp_path
 
 def test_served_sums_keep_later_replies_when_every_first_reply_is_cut_away():
     """The prompt-heavy cut (replies after min_context) drops first replies: the later ones are still scored."""
-    from distill.served import served_sums
-
     model = to_swiftkv(tiny_base("llama"), l=2)
     ids = torch.randint(3, 128, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     sample = {"input_ids": ids, "counted": [0] * 4 + [1] * 6 + [0] * 12 + [1] * 8}  # replies at 4 and 22
-    sums = served_sums(model, [sample], 32, 0, {"served": None}, min_context=20)["served"]
-    assert sums["reply"][2] == 8 and sums["first_reply"][2] == 0
-    both = served_sums(model, [sample], 32, 0, {"served": None})["served"]
-    assert both["reply"][2] == 14 and both["first_reply"][2] == 6
+    plan = {"m": (model, {"served": None})}
+    sums = served_sums(model, plan, [sample], 32, 0, min_context=20)["m"]["served"]
+    assert sums["reply"].sum(0)[2] == 8 and sums["first_reply"].sum(0)[2] == 0
+    both = served_sums(model, plan, [sample], 32, 0)["m"]["served"]
+    assert both["reply"].sum(0)[2] == 14 and both["first_reply"].sum(0)[2] == 6
+
+
+def test_one_teacher_pass_scores_several_students_as_each_alone():
+    """Students of different l sharing the teacher's weights, scored in one pass against the original model, get
+    the numbers each gets scored alone against its own teacher mode; a student of other weights is refused."""
+    from distill.served import shares_teacher
+
+    base = tiny_base("llama")
+    students = {"l2": to_swiftkv(tiny_base("llama"), l=2), "l4": to_swiftkv(tiny_base("llama"), l=4)}
+    for m in students.values():
+        m.config.exact_kv_window = 2
+    ids = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    samples = [{"input_ids": ids, "counted": [0] * 6 + [1] * 8 + [0] * 14 + [1] * 12}]
+    plan = {name: (m, {"all_prompt": None, "served": 2}) for name, m in students.items()}
+    together = served_sums(base, plan, samples, 48, 0)
+    for name, m in students.items():
+        alone = served_sums(m, {name: plan[name]}, samples, 48, 0)[name]
+        for regime, parts in alone.items():
+            for subset, rows in parts.items():
+                torch.testing.assert_close(together[name][regime][subset], rows, atol=1e-5, rtol=1e-5)
+    assert shares_teacher(students["l2"], base)
+    assert not shares_teacher(to_swiftkv(tiny_base("llama", seed=1), l=2), base)

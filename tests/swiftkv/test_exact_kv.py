@@ -288,3 +288,35 @@ def test_a_prefill_window_keeps_sdpa_causal_kernel_in_the_lower_layers():
         upper_mask[0, 0].bool() if upper_mask.dtype == torch.bool else upper_mask[0, 0] == 0, full
     )
     assert out.logits.shape[1] == 1
+
+
+@pytest.mark.parametrize(("family", "impl"), [("llama", "sdpa"), ("qwen3", "eager"), ("qwen2", "sdpa")])
+def test_rows_only_student_equals_the_full_pass(family, impl):
+    """Running layers >= l on the scored and exact rows only (``query_mask``) gives the full teacher-forced pass's
+    outputs at those rows, and the same gradients of the SwiftKV parameters, on packed rows with padding."""
+    model = windowed(family, impl, window=3)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 128, (2, 20), generator=gen)
+    pos = torch.cat([torch.arange(12), torch.arange(8)])[None].repeat(2, 1)  # two packed samples per row
+    pos[1, 14:] = torch.arange(6)  # the second row: a sample, then a padding segment
+    loss = torch.zeros_like(ids)
+    loss[0, 7:11], loss[0, 15:19], loss[1, 4:9], loss[1, 12:14] = 1, 1, 1, 1
+    exact = exact_kv_positions(loss, pos, 3)
+    wanted = loss.bool() | exact
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trained = [p for n, p in model.named_parameters() if "swiftkv" in n]
+    for p in trained:
+        p.requires_grad_(True)
+    outs = {}
+    for name, query in (("full", None), ("rows", wanted)):
+        model.zero_grad()
+        _, student, _, s_in = model.model.teacher_student_hidden(
+            ids, position_ids=pos, exact_mask=exact, query_mask=query
+        )
+        (student[wanted].pow(2).sum() + s_in[wanted].sum()).backward()
+        outs[name] = (student[wanted].detach(), s_in[wanted].detach(), [p.grad.clone() for p in trained])
+    torch.testing.assert_close(outs["rows"][0], outs["full"][0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(outs["rows"][1], outs["full"][1], atol=ATOL, rtol=0)
+    for rows_grad, full_grad in zip(outs["rows"][2], outs["full"][2], strict=True):
+        torch.testing.assert_close(rows_grad, full_grad, atol=1e-4, rtol=1e-4)
