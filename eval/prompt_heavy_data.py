@@ -382,5 +382,11 @@ def document_prompts(tokenizer, n: int, min_tokens: int, max_tokens: int, seed: 
     return prompts
 
 
-if __name__ == "__main__":  # the fresh interpreter of stdlib_texts()
-    json.dump({name: _module_text(name) for name in sys.argv[1:]}, sys.stdout)
+def main(argv: list[str] | None = None) -> int:
+    """The fresh interpreter of ``stdlib_texts()``: the documentation of the modules named, as JSON."""
+    json.dump({name: _module_text(name) for name in (sys.argv[1:] if argv is None else argv)}, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

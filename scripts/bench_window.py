@@ -12,7 +12,6 @@ FLOP-ideal prefill speedup at the band's lower edge (``swiftkv.flops``).  A wind
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -112,4 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

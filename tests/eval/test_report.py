@@ -95,9 +95,47 @@ def test_report_from_a_fixture_run(tmp_path):
     ):
         assert text in row, text
     served = [line for line in report.splitlines() if line.startswith("| swiftkv50 ")][1]
+    assert served == "| swiftkv50 | 32 | 0.123 | 0.071 | 0.105 | 0.066 | ×1.080 | 0.905 |"
+    assert "## Prompt-heavy quality" not in report  # a run without the measurement
+
+
+def _heavy(band_kl: float, student_acc: float) -> dict:
+    summary = {"samples": 12, "tokens": 768, "kl_ci95": [band_kl / 2, band_kl * 2], "top1_agreement": 0.9}
+    return {
+        "bands": {
+            "1024-2048": {**summary, "kl": band_kl, "ppl_ratio": 1.05},
+            "2048-4096": {"samples": 0, "tokens": 0},
+        },
+        "retrieval": {"passkey": {"1024": {"samples": 6, "teacher": 0.5, "student": student_acc}}},
+        "documents": {**summary, "kl": 0.04, "kl_ci95": [0.02, 0.08], "ppl_ratio": 1.02},
+        "settings": {},
+    }
+
+
+def test_report_names_the_largest_fraction_that_holds_the_prompt_heavy_targets(tmp_path):
+    """The prompt-heavy table (KL [interval], ppl ratio, count per band; an empty band as such), retrieval beside
+    the teacher's, and the choice: the 50% variant misses the 1-2k KL and retrieval, so the 25% one is named."""
+    run = json.loads(json.dumps(RUN))
+    fifty = run["variants"][1]
+    fifty["quality"]["prompt_heavy"] = _heavy(0.44, 0.0)
+    twenty_five = json.loads(json.dumps(fifty))
+    twenty_five.update(name="swiftkv25", swiftkv_layers=8)
+    twenty_five["quality"]["prompt_heavy"] = _heavy(0.02, 0.5)
+    run["variants"].insert(1, twenty_five)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    report = write_report(tmp_path).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| swiftkv50 | 1.74x")]
+    assert rows == [
+        "| swiftkv50 | 1.74x (1.85x) | 0.440 [0.220, 0.880], ×1.050 (12) | – (0) | 0.040 [0.020, 0.080], ×1.020 (12) |"
+    ]
+    assert "| teacher | 0.50 (6) |" in report and "| swiftkv50 | 0.00 |" in report
     assert (
-        served == "| swiftkv50 | 32 | 0.123 | 0.071 | 0.105 | 0.066 | – | ×1.080 | 0.905 |"
-    )  # no long prompt
+        "* swiftkv50: misses 1-2k prompt KL 0.440 > 0.1; retrieval points below the teacher 0.500 > 0.02"
+        in report
+    )
+    assert "* swiftkv25: holds every target" in report
+    assert "Largest fraction that holds them: **swiftkv25** (8/30" in report
+    assert (tmp_path / "quality_vs_prompt_length.png").is_file()
     assert not any(line.startswith("| original | off") for line in report.splitlines())
     for png in ("prefill_vs_length.png", "quality_vs_prefill.png"):
         assert (tmp_path / png).stat().st_size > 1000
