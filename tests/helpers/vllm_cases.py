@@ -21,6 +21,24 @@ import torch
 from eval.serving.vllm.cpu import cpu_environment, make_llm
 
 
+def run_cases(cases: list[dict], tmp: Path) -> list[dict]:
+    """All ``cases`` (``run_case``) in one vLLM-venv process started from the tests' venv; their results in order."""
+    import subprocess
+
+    from .ci import VLLM_PYTHON
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_cases", "--cases", str(tmp / "cases.json"), "--out",
+         str(tmp / "out.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
 def run_step(llm, step: dict) -> dict:
     """One ``generate`` call: ``{"prompts", "max_tokens"=8, "prompt_logprobs"=None, "logprobs"=None,
     "alone"=False}`` -> the greedy tokens, each request's prefix-cache hits, (if asked) prompt log-probabilities

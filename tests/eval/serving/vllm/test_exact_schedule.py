@@ -17,18 +17,14 @@ prefix-cached).
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ROOT
-from helpers.ci import VLLM_PYTHON
 from helpers.models import tiny_base
+from helpers.vllm_cases import run_cases
 from transformers import AutoModelForCausalLM
 
 import swiftkv.convert
@@ -58,6 +54,16 @@ SHARED = _prompts(3, [256])[0]
 FIRST = SHARED + _prompts(4, [4])[0]  # its window covers the shared prefix's last 4 positions
 SHARING = [SHARED + tail for tail in _prompts(5, [1, 3, 12, 20])]
 ENGINE = {"block_size": BLOCK, "max_model_len": 512}
+# 16 blocks of 32 tokens for 12 requests of ~4 blocks: vLLM preempts and recomputes (with the prefix cache off, a
+# resumed request recomputes everything it had)
+PREEMPTING = {
+    **ENGINE,
+    "max_model_len": 256,
+    "max_num_seqs": 12,
+    "max_num_batched_tokens": 256,
+    "kv_cache_memory_bytes": 16 * BLOCK * BYTES_PER_TOKEN,
+    "disable_log_stats": False,
+}
 CASES = {
     # the reference: each request alone, its prompt in one step, nothing cached
     "alone": dict(
@@ -73,31 +79,13 @@ CASES = {
         },
         steps=[dict(prompts=CHUNKED, max_tokens=MAX_TOKENS, logprobs=2)],
     ),
-    # 16 blocks of 32 tokens for 12 requests of ~4 blocks: vLLM preempts and recomputes (prefix cache off, so
-    # a resumed request recomputes everything it had)
     "preempted": dict(
-        engine={
-            **ENGINE,
-            "max_model_len": 256,
-            "max_num_seqs": 12,
-            "max_num_batched_tokens": 256,
-            "kv_cache_memory_bytes": 16 * BLOCK * BYTES_PER_TOKEN,
-            "enable_prefix_caching": False,
-            "disable_log_stats": False,
-        },
+        engine={**PREEMPTING, "enable_prefix_caching": False},
         steps=[dict(prompts=PREEMPTED, max_tokens=MAX_TOKENS, logprobs=2)],
     ),
     # the same with vLLM's default prefix cache: a resumed request may hit blocks cached before its preemption
     "preempted_cached": dict(
-        engine={
-            **ENGINE,
-            "max_model_len": 256,
-            "max_num_seqs": 12,
-            "max_num_batched_tokens": 256,
-            "kv_cache_memory_bytes": 16 * BLOCK * BYTES_PER_TOKEN,
-            "enable_prefix_caching": True,
-            "disable_log_stats": False,
-        },
+        engine={**PREEMPTING, "enable_prefix_caching": True},
         steps=[dict(prompts=PREEMPTED, max_tokens=MAX_TOKENS, logprobs=2)],
     ),
     # the first request caches the shared prefix (and its own window, generated tokens); then the others
@@ -109,19 +97,6 @@ CASES = {
         ],
     ),
 }
-
-
-def run_cases(cases: list[dict], tmp: Path) -> list[dict]:
-    """All ``cases`` (``helpers.vllm_cases.run_case``) in one vLLM-venv process; their results in order."""
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_cases", "--cases", str(tmp / "cases.json"), "--out",
-         str(tmp / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "out.json").read_text())
 
 
 def divergences(tokens, logprobs, ref_tokens, ref_logprobs, tol: float = TOL) -> list[str]:

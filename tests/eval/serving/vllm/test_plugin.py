@@ -40,6 +40,7 @@ import torch
 from helpers import ROOT
 from helpers.ci import NO_FP8_KV_ON_THIS_CPU, VLLM_PYTHON, cpu_runs_fp8_kv
 from helpers.models import tiny_base
+from helpers.vllm_cases import run_cases
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -177,19 +178,6 @@ def layer_outputs(path: Path, prompt: list[int]) -> dict[int, torch.Tensor]:
     with torch.no_grad():
         model(torch.tensor([prompt]))
     return {i: h[0] for i, h in outputs.items()}
-
-
-def run_cases(cases: list[dict], tmp: Path) -> list[dict]:
-    """All ``cases`` (see ``helpers.vllm_cases.run_case``) in one vLLM-venv process; their results in order."""
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "tests.helpers.vllm_cases", "--cases", str(tmp / "cases.json"), "--out",
-         str(tmp / "out.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "out.json").read_text())
 
 
 def tiny_qwen3(path: Path) -> Path:
