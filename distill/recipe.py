@@ -319,6 +319,22 @@ class Recipe(_Section):
         CommConfig(), description="gradient communication on the DDP path (not DeepSpeed)"
     )
 
+    @model_validator(mode="after")
+    def _exact_kv_needs_replies(self):
+        """With a window every scored position is exact (``exact_kv_positions``): a sample scored on every token
+        keeps no SwiftKV K/V in the loss, so k/v_proj_swiftkv and norm_swiftkv would never train."""
+        text = [i for i, s in enumerate(self.data.sources) if s.format == "text"]
+        if self.model.exact_kv_window and (self.data.loss_on == "all" or text):
+            which = (
+                "data.loss_on: all" if self.data.loss_on == "all" else f"data.sources.{text[0]}.format: text"
+            )
+            raise ValueError(
+                f"model.exact_kv_window={self.model.exact_kv_window} needs replies after a prompt: with {which} "
+                "every position is scored, hence exact, and k/v_proj_swiftkv and norm_swiftkv get no gradient (to "
+                "resolve, train on chat sources with data.loss_on: assistant, or set model.exact_kv_window=0)"
+            )
+        return self
+
 
 class RecipeError(ValueError):
     """A recipe problem; ``str()`` is one line per problem."""

@@ -10,8 +10,10 @@ every visible GPU); ``dtype`` float32, bfloat16 or float16, as ``eval.quality``.
 
 A checkpoint with exact K/V (``exact_kv_window`` W) is scored as served: lm-eval's HF model scores a request by
 one forward over context + continuation, and ``ServedHFLM`` marks the continuation (and the W prompt tokens
-before it) as generated, so they take exact K/V as they would when a server generates them.  Stock lm-eval
-runs the plain forward, which treats the whole input as one prompt: the conservative number.
+before it) as generated, so they take exact K/V as they would when a server generates them.  Rolling
+log-likelihood (document perplexity) scores text nobody generated: it runs the plain forward, which treats the
+whole input as one prompt (its last W positions exact), as stock lm-eval does for every request: the
+conservative number.
 """
 
 from __future__ import annotations
@@ -29,11 +31,21 @@ class ServedHFLM(HFLM):
     (module docstring); for other models it is lm-eval's own."""
 
     _continuations: dict[int, dict[tuple[int, ...], int]] | None = None
+    _rolling = False
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        # a document's windows reach _loglikelihood_tokens as continuations, but are prompt text: score them so
+        self._rolling = True
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm)
+        finally:
+            self._rolling = False
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         # lm-eval batches and pads the requests itself: keep each one's input (as lm-eval cuts it) -> continuation
         # length, keyed by input length, so that _model_call can find every row's continuation
-        if getattr(self.model.config, "exact_kv_window", 0) and getattr(self.model.config, "swiftkv", False):
+        config = self.model.config
+        if getattr(config, "exact_kv_window", 0) and getattr(config, "swiftkv", False) and not self._rolling:
             self._continuations = {}
             for _, context, continuation in requests:
                 inp = (context + continuation)[-(self.max_length + 1) :][:-1]

@@ -514,8 +514,9 @@ def reference_logprobs(
     model_dir: Path, requests: list[tuple[list[int], list[int]]], chunk: int
 ) -> list[dict]:
     """For each (prompt, continuation): transformers fp32 log-probabilities of the continuation's tokens (the
-    model's own inference path: the prompt prefilled in chunks of ``chunk`` tokens, then one token per step, so
-    exact K/V land where a server puts them) and the gap to the best token at each step."""
+    model's own inference path: the prompt prefilled in chunks of ``chunk`` tokens with its length given, so that
+    exact K/V land on its last W tokens and the generated ones as a server puts them whatever its chunks, then one
+    token per step) and the gap to the best token at each step."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -528,9 +529,12 @@ def reference_logprobs(
         for prompt, continuation in requests:
             ids = torch.tensor([prompt], device=device)
             step = None
+            prompt_len = {"swiftkv_prompt_len": len(prompt)} if hasattr(model, "set_mode") else {}
             for start in range(0, len(prompt), chunk):
                 cache = None if step is None else step.cache
-                step = model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+                step = model(
+                    ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1, **prompt_len
+                )
             logprobs, gaps = [], []
             for token in continuation:
                 dist = step.logits[0, -1].float().log_softmax(-1)

@@ -25,8 +25,10 @@ Exact K/V (``config.exact_kv_window = W >= 1``): the tokens that run layers ``>=
 the layer's original ``k_proj``/``v_proj`` on its own normed input.  In cached generation a forward with logits for its
 last k rows (``logits_to_keep``; the k - 1 before the last are speculative tokens) writes SwiftKV K/V for all
 but its last ``E = k - 1 + W`` tokens, and those E tokens run layers ``>= l`` and append their exact K/V in
-each: decode and speculative tokens, and the last W prompt tokens of a prefill.  A full
-teacher-forced forward runs every position through every layer, so it takes the positions that count as run
+each: decode and speculative tokens, and the last W prompt tokens of a prefill.  A prompt fed over several
+forwards (chunked prefill) passes ``swiftkv_prompt_len = P``, so that exactly the slots >= P - W are exact in
+whichever forward they arrive (``generate()`` passes it with ``prefill_chunk_size`` and ``use_cache=False``).
+A full teacher-forced forward runs every position through every layer, so it takes the positions that count as run
 there from an explicit mask (``swiftkv_exact_mask``; ``exact_kv_positions`` builds it from a loss mask);
 without one it treats the input as one prompt (its last W positions exact).
 
@@ -441,13 +443,18 @@ class SwiftKVModelMixin:
         use_cache: bool | None = None,
         swiftkv_logits_to_keep: int | torch.Tensor = 0,
         swiftkv_exact_mask: torch.Tensor | None = None,
+        swiftkv_prompt_len: int | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """As the base model's forward; with SwiftKV on and ``swiftkv_logits_to_keep = k > 0``, only the last k
         rows (with exact K/V: the last ``k - 1 + W``) go through layers >= l and ``last_hidden_state`` holds just
         those rows.  ``swiftkv_exact_mask`` [batch, seq]: the positions that take exact K/V in layers >= l, for a
-        teacher-forced pass without a cache (module docstring)."""
-        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        teacher-forced pass without a cache (module docstring).  ``swiftkv_prompt_len = P`` (cache slots, padding
+        included): the request's prompt ends at slot P, so exactly the slots >= P - W are exact (the last W
+        prompt tokens and every generated one) whichever forward they arrive in: a prompt over several chunks,
+        or a pass without a cache over prompt + generated tokens; without it each forward ends a prompt."""
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        seq_len = inputs.shape[1]
         config, exact_mask = self.config, swiftkv_exact_mask
         keep = swiftkv_logits_to_keep if isinstance(swiftkv_logits_to_keep, int) else 0
         if exact_mask is not None and config.swiftkv:
@@ -461,10 +468,24 @@ class SwiftKVModelMixin:
         # with logits for the last k rows, the last k - 1 are generated (speculative) tokens and the k-th from
         # the end closes the prompt window of W rows
         window = config.exact_kv_window if config.swiftkv and exact_mask is None else 0
-        rows = min(seq_len, keep - 1 + max(window, 1)) if keep and config.swiftkv else seq_len
-        if exact_mask is not None:  # teacher-forced: every position runs every layer
-            rows = seq_len
-        exact_rows = (rows if keep else min(seq_len, window)) if window else 0
+        first_exact = None  # the first slot of this forward's exact rows, when the prompt length says it
+        if window and swiftkv_prompt_len is not None:
+            if cache is None and not use_cache:  # teacher-forced: the slots from the prompt's last W on
+                slots = torch.arange(seq_len, device=inputs.device)
+                exact_mask = (slots >= swiftkv_prompt_len - window).expand(inputs.shape[0], -1)
+                window = 0
+            else:
+                past = int(cache.get_seq_length()) if cache is not None else 0
+                first_exact = max(swiftkv_prompt_len - window - past, 0)
+        if first_exact is not None:
+            # the rows whose logits are wanted run layers >= l with SwiftKV K/V unless they are exact
+            exact_rows = max(seq_len - first_exact, 0)
+            rows = min(seq_len, max(exact_rows, keep)) if keep else seq_len
+        else:
+            rows = min(seq_len, keep - 1 + max(window, 1)) if keep and config.swiftkv else seq_len
+            if exact_mask is not None:  # teacher-forced: every position runs every layer
+                rows = seq_len
+            exact_rows = (rows if keep else min(seq_len, window)) if window else 0
         prepared = self._prepare(
             input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, rows
         )
@@ -498,8 +519,8 @@ class SwiftKVModelMixin:
         paths' input to the last layer, with layers < l computed once for both.  ``exact_mask`` [batch, seq]: the
         positions whose K/V in layers >= l are exact in the student (default with ``exact_kv_window = W``: the
         last W, as ``forward`` treats an input without a mask).  ``query_mask`` [batch, seq]: the positions whose
-        student outputs are wanted (the scored ones; it must hold every exact position): the student's layers
-        >= l then run those rows only (``student_rows_hidden``) and its outputs are zero elsewhere.  Layers < l
+        student outputs are wanted (the scored ones; it must hold every exact position): when it leaves rows out,
+        the student's layers >= l run those rows only (``student_rows_hidden``) and its outputs are zero elsewhere.  Layers < l
         build no graph when none of their weights (nor the embeddings) trains: activation checkpointing makes
         the embeddings' output require grad, which would otherwise recompute them and backpropagate through
         them for nothing."""
@@ -518,7 +539,10 @@ class SwiftKVModelMixin:
         with torch.no_grad():
             t_last_in = self._run(self.layers[l:-1], x_l, prepared)
             teacher = self.norm(self._run(self.layers[-1:], t_last_in, prepared))
-        if query_mask is not None and self.config._attn_implementation in ROWS_BACKENDS:
+        rows_only = query_mask is not None and not bool(
+            query_mask.all()
+        )  # every row wanted: the batched pass
+        if rows_only and self.config._attn_implementation in ROWS_BACKENDS:
             student, s_last_in = self.student_rows_hidden(
                 x_l, prepared.position_ids, query_mask, exact_mask, attention_mask
             )
@@ -587,6 +611,7 @@ class SwiftKVModelMixin:
         )
 
 
+_INPUT_KEYS = ("inputs", "input_ids", "inputs_embeds")  # generate()'s names for the prompt
 ROWS_BACKENDS = ("sdpa", "eager")  # attention that takes an explicit boolean mask for some query rows
 
 
@@ -612,6 +637,7 @@ class SwiftKVForCausalLMMixin:
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         swiftkv_exact_mask: torch.Tensor | None = None,
+        swiftkv_prompt_len: int | None = None,
         **kwargs,
     ):
         return super().forward(
@@ -625,8 +651,28 @@ class SwiftKVForCausalLMMixin:
             logits_to_keep=logits_to_keep,
             swiftkv_logits_to_keep=logits_to_keep,
             swiftkv_exact_mask=swiftkv_exact_mask,
+            swiftkv_prompt_len=swiftkv_prompt_len,
             **kwargs,
         )
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, passing the prompt length (``swiftkv_prompt_len``: the input's slots)
+        where a forward cannot tell the end of the prompt itself: a chunked prefill (``prefill_chunk_size``), whose
+        every chunk asks for its last token's logits, and ``use_cache=False``, whose every step sees prompt and
+        generated tokens in one input.  Then the last W prompt tokens and the generated ones are exact, as in an
+        unchunked cached generation (which needs no length: its prefill ends the prompt)."""
+        gen = kwargs.get("generation_config") or self.generation_config
+        chunked = kwargs.get("prefill_chunk_size", gen.prefill_chunk_size) is not None
+        uncached = kwargs.get("use_cache", gen.use_cache) is False
+        if self.config.swiftkv and self.config.exact_kv_window and (chunked or uncached):
+            inputs = next(
+                (x for x in (args[0] if args else None, *map(kwargs.get, _INPUT_KEYS)) if x is not None), None
+            )
+            mask = kwargs.get("attention_mask")
+            if inputs is not None:  # the mask covers the cached slots too when only new tokens are given
+                lengths = [inputs.shape[1]] + ([mask.shape[1]] if mask is not None else [])
+                kwargs.setdefault("swiftkv_prompt_len", max(lengths))
+        return super().generate(*args, **kwargs)
 
     def set_mode(self, mode: str) -> None:
         """``"teacher"`` runs the original model, ``"student"`` the SwiftKV path (same weights)."""

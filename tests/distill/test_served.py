@@ -156,3 +156,17 @@ def test_one_teacher_pass_scores_several_students_as_each_alone():
                 torch.testing.assert_close(together[name][regime][subset], rows, atol=1e-5, rtol=1e-5)
     assert shares_teacher(students["l2"], base)
     assert not shares_teacher(to_swiftkv(tiny_base("llama", seed=1), l=2), base)
+
+
+def test_acrosskv_checkpoint_without_a_window_is_scored():
+    """quality's plan for an AcrossKV checkpoint (g = 2, exact_kv_window 0) asks for no exact position, so
+    regime_sums scores it (every reply token) instead of refusing an exact mask."""
+    from eval.quality import _regimes
+
+    model = to_swiftkv(tiny_base("llama"), l=2, g=2)
+    regimes = _regimes(model, served=True)
+    assert regimes == {"all_prompt": None}
+    samples = [{"input_ids": torch.randint(3, 128, (20,)).tolist(), "counted": [0] * 8 + [1] * 12}]
+    rows = pack(samples, 24, 0)
+    sums = regime_sums(model, {"m": (model, regimes)}, rows)["m"]["all_prompt"]["reply"]
+    assert sums.sum(0)[2] == rows["loss_mask"].sum()

@@ -232,7 +232,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(trainabl
         mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
         objective(ids, pos, mask)["loss"].backward()
         grads.append({n: p.grad for n, p in objective.named_parameters() if p.requires_grad})
-    assert calls == [2, 3]  # teacher + student, then the student's recompute in backward
+    assert calls == [3, 5]  # teacher, the student on each sample's scored rows, then their recompute in backward
     assert grads[0].keys() == grads[1].keys() and all(g is not None for g in grads[1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -249,6 +249,22 @@ def test_trainable_all_is_refused_at_validation(tmp_path):
         "recipe error: train.trainable: trainable=all would train against a moving teacher (teacher and student "
         "share the live weights); use trainable=swiftkv or trainable=lora"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "which"),
+    [("data.loss_on=all", "data.loss_on: all"), ("data.sources.0.format=text", "sources.0")],
+)
+def test_exact_kv_window_without_replies_is_refused_at_validation(tmp_path, override, which):
+    """Every position of a loss_on: all or text sample counts, so every one is exact: the SwiftKV K/V projections
+    and norm_swiftkv would get no gradient; refused with a window, accepted without."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        json.dumps({"output_dir": "x", "model": {"source": "m"}, "data": {"sources": [{"path": "d"}]}})
+    )
+    with pytest.raises(RecipeError, match=f"model.exact_kv_window=4 needs replies after a prompt.*{which}"):
+        load_recipe(path, ["model.exact_kv_window=4", override])
+    load_recipe(path, ["model.exact_kv_window=0", override])
 
 
 def test_resume_fingerprint_ignores_how_the_data_is_built(tmp_path):

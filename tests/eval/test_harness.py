@@ -136,3 +136,39 @@ def test_served_lm_eval_scores_continuations_as_generated_tokens(tiny_chat_model
             whole.append(logprobs.gather(-1, torch.tensor(continuation)[:, None]).sum().item())
     assert got == pytest.approx(served, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(served, whole, strict=True)) > 1e-3
+
+
+def word_tokenizer(vocab: int = 128):
+    """A word-level tokenizer over the words t0 ... t{vocab - 1} (t0 padding, t1 end of text), no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1", unk_token="t0")
+
+
+def test_served_lm_scores_rolling_loglikelihood_as_a_prompt():
+    """Document perplexity (loglikelihood_rolling) scores text nobody generated: the served model treats it as a
+    prompt (the plain forward: each window's last W positions exact), as stock lm-eval does, in windows of a
+    text longer than max_length; continuations are still scored as generated."""
+    from helpers.models import tiny_base, to_swiftkv
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from eval.harness import ServedHFLM
+
+    model = to_swiftkv(tiny_base("llama"), l=2)
+    model.config.exact_kv_window = 3
+    text = " ".join(f"t{i}" for i in torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(2)))
+    requests = [
+        Instance("loglikelihood_rolling", {}, (text,), 0),
+        Instance("loglikelihood_rolling", {}, (text[:50],), 1),
+    ]
+    pairs = [Instance("loglikelihood", {}, ("t5 t6 t7 t8 t9", " t10 t11 t12"), 0)]
+    scores = {}
+    for name, cls in (("served", ServedHFLM), ("stock", HFLM)):
+        lm = cls(pretrained=model, tokenizer=word_tokenizer(), max_length=16, batch_size=2, device="cpu")
+        scores[name] = (lm.loglikelihood_rolling(requests), lm.loglikelihood(pairs)[0][0])
+    assert scores["served"][0] == pytest.approx(scores["stock"][0], abs=1e-5)
+    assert abs(scores["served"][1] - scores["stock"][1]) > 1e-4

@@ -191,27 +191,90 @@ def test_greedy_generate_matches_reference(family, impl, cache):
         assert out[:, ids.shape[1] :].tolist() == greedy(model, ids, mask, 6, window=3).tolist()
 
 
-def test_chunked_prefill_runs_each_chunks_window():
-    """generate()'s chunked prefill computes the logits of every chunk's last token, so each chunk runs its last
-    W tokens through layers >= l and stores their exact K/V (vLLM's chunked prefill does the same)."""
-    model = windowed("llama", "sdpa", window=2)
-    ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(8))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_chunked_prefill_gives_the_tokens_of_one_chunk(cache, chunk):
+    """A prompt token's K/V in layers >= l are exact iff it is among the last W of its prompt, however the prompt
+    is split: generate() passes the prompt length (``swiftkv_prompt_len``) with ``prefill_chunk_size``, so chunks
+    of 2 or 4 with W = 3 (the window spans chunks) give the reference's greedy tokens, as one chunk does."""
+    model = windowed("llama", "sdpa", window=3)
+    for ids, mask in reference_batches():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=False,
+                prefill_chunk_size=chunk,
+                cache_implementation=cache,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert out[:, ids.shape[1] :].tolist() == greedy(model, ids, mask, 4, window=3).tolist()
+
+
+@pytest.mark.parametrize("splits", [(9,), (4, 5), (2, 3, 4)])
+def test_chunked_forwards_with_the_prompt_length_give_the_logits_of_one_chunk(splits):
+    """A prompt fed in 1-3 forwards onto one cache, each with logits_to_keep=1 and ``swiftkv_prompt_len``, then
+    two decode steps: every step's logits are the reference's with the last W prompt columns and the generated
+    ones exact."""
+    model = windowed("qwen3", "sdpa", window=3)
+    _, ids, mask = left_padded_batch()
+    prompt_len = ids.shape[1]
+    cache, start, logits, seq, seq_mask = make_cache("dynamic", model), 0, None, ids, mask
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            max_new_tokens=3,
-            do_sample=False,
-            prefill_chunk_size=4,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    seq = out[:, :-1]  # every generated token but the last was fed back
-    exact = torch.zeros_like(seq, dtype=torch.bool)
-    for end in (4, 8, 11):  # the chunks [0, 4), [4, 8), [8, 11)
-        exact[:, end - 2 : end] = True
-    exact[:, 11:] = True
-    ref = student_logits(model, seq, None, exact)[:, 10:].argmax(-1)
-    assert out[:, 11:].tolist() == ref.tolist()
+        for size in splits:
+            end = start + size
+            logits = model(
+                ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=positions_of(mask)[:, start:end],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                swiftkv_prompt_len=prompt_len,
+            ).logits
+            start = end
+        for _ in range(3):
+            exact = (torch.arange(seq.shape[1]) >= prompt_len - 3).expand(seq.shape)
+            ref = student_logits(model, seq, seq_mask, exact)[:, -1]
+            torch.testing.assert_close(logits[:, -1], ref, atol=ATOL, rtol=0)
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            seq, seq_mask = torch.cat([seq, token], 1), torch.cat([seq_mask, torch.ones_like(token)], 1)
+            logits = model(
+                token,
+                attention_mask=seq_mask,
+                position_ids=positions_of(seq_mask)[:, -1:],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                swiftkv_prompt_len=prompt_len,
+            ).logits
+
+
+def test_a_forward_without_a_cache_follows_the_rule_given_the_prompt_length():
+    """With ``swiftkv_prompt_len`` a forward without a cache over prompt + generated tokens makes the last W
+    prompt positions and the generated ones exact, as cached generation does; generate(use_cache=False) passes
+    it, so it returns the cached generation's tokens."""
+    model = windowed("llama", "sdpa", window=3)
+    _, ids, mask = left_padded_batch()
+    prompt_len = ids.shape[1]
+    more = torch.randint(3, 128, (ids.shape[0], 4), generator=torch.Generator().manual_seed(9))
+    seq, seq_mask = torch.cat([ids, more], 1), torch.cat([mask, torch.ones_like(more)], 1)
+    exact = (torch.arange(seq.shape[1]) >= prompt_len - 3).expand(seq.shape)
+    with torch.no_grad():
+        out = model(
+            seq,
+            attention_mask=seq_mask,
+            position_ids=positions_of(seq_mask),
+            use_cache=False,
+            swiftkv_prompt_len=prompt_len,
+        ).logits
+        ref = student_logits(model, seq, seq_mask, exact)
+        torch.testing.assert_close(out[seq_mask.bool()], ref[seq_mask.bool()], atol=ATOL, rtol=0)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        uncached = model.generate(**kwargs, use_cache=False, eos_token_id=None)
+    assert uncached[:, prompt_len:].tolist() == greedy(model, ids, mask, 5, window=3).tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

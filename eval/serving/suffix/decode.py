@@ -188,8 +188,11 @@ def speculative_generate(
             stats.speculate_calls += 1
             draft = layout_depth_first(truncate_depth(draft, max_new_tokens - len(stats.tokens) - 1))
         ids = torch.tensor([pending + draft.tokens], device=device)
+        # every row's logits, said explicitly: a SwiftKV model with exact K/V (exact_kv_window) then runs every
+        # pending and draft token, all generated, through its upper layers and caches their exact K/V
+        every = ids.shape[1]
         if _is_path(draft):
-            logits = model(input_ids=ids, cache=kv, use_cache=True).logits
+            logits = model(input_ids=ids, cache=kv, use_cache=True, logits_to_keep=every).logits
         else:
             positions, mask = _tree_inputs(draft, n_cached, len(pending), model.dtype)
             logits = model(
@@ -198,6 +201,7 @@ def speculative_generate(
                 attention_mask=mask.to(device),
                 cache=kv,
                 use_cache=True,
+                logits_to_keep=every,
             ).logits
         predicted = logits[0].argmax(-1).tolist()
         accepted = _accept(draft, predicted, len(pending))

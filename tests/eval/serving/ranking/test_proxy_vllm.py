@@ -42,8 +42,7 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
     server = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    proxy = make_server(ranker, f"http://127.0.0.1:{port}", port=0)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = None
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -54,6 +53,9 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
                 break
             except OSError:
                 time.sleep(1)
+        # started once the server is up: its start-up check sends the server a request with a priority
+        proxy = make_server(ranker, f"http://127.0.0.1:{port}", port=0)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
         conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=300)
         body = {
             "model": "m",
@@ -74,8 +76,9 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
         assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] <= 4
         assert proxy.prioritizer.failures == 0
     finally:
-        proxy.shutdown()
-        proxy.server_close()
+        if proxy is not None:
+            proxy.shutdown()
+            proxy.server_close()
         os.killpg(server.pid, 9)
         server.wait(timeout=60)
         log.close()

@@ -52,6 +52,22 @@ def test_swiftkv_model_with_acrosskv_cache_rolls_back(mode):
     assert stats.steps < len(stats.tokens) - 1
 
 
+@pytest.mark.parametrize("mode", ["path", "tree"])
+def test_swiftkv_model_with_exact_kv_window_smaller_than_the_draft_equals_greedy(mode):
+    """With exact K/V (W = 2) and drafts of up to 8 tokens, the verification forward asks for every row's logits
+    (logits_to_keep), so the pending and draft tokens, all generated, store exact K/V as plain decoding does."""
+    from helpers.models import to_swiftkv
+
+    model = to_swiftkv(tiny_base("llama"), l=2)
+    model.config.exact_kv_window = 2
+    model.generation_config.eos_token_id = None
+    cache = SuffixCache(SpecConfig(mode=mode, max_spec=8, min_token_prob=0.05))
+    prompt = repetitive_prompt(3)
+    stats = speculative_generate(model, prompt, 32, cache)
+    assert stats.tokens == greedy(model, prompt, 32)
+    assert stats.steps < len(stats.tokens) - 1
+
+
 def test_tree_draft_with_accepted_branch_laid_out_second():
     """A more frequent wrong branch comes first in the layout; the right one is accepted and fed again."""
     model = tiny_base("llama", num_hidden_layers=2)
