@@ -143,6 +143,15 @@ def shares_teacher(student, teacher) -> bool:
     return all(n in mine and torch.equal(p, mine[n].to(p.device)) for n, p in teacher.named_parameters())
 
 
+def served_hidden(student, x_l, position_ids, scored: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The student's final normed hidden states at the ``scored`` rows, from the input of its layer l: those rows
+    generated (exact K/V with the W - 1 prompt positions before them, ``exact_kv_positions``; None: no exact
+    position), everything else SwiftKV prompt."""
+    exact = None if window is None else exact_kv_positions(scored, position_ids, window)
+    query = scored if exact is None else scored | exact
+    return student.model.student_rows_hidden(x_l, position_ids, query, exact)[0]
+
+
 @torch.no_grad()
 def regime_sums(
     teacher,
@@ -175,9 +184,7 @@ def regime_sums(
         for name, (student, regimes) in students.items():
             x_l = lower[student.config.num_key_value_layers]
             for regime, window in regimes.items():
-                exact = None if window is None else exact_kv_positions(loss, pos, window)
-                query = reply if exact is None else reply | exact
-                hidden, _ = student.model.student_rows_hidden(x_l, pos, query, exact)
+                hidden = served_hidden(student, x_l, pos, reply, window)
                 per_token = token_agreement(hidden, final, student.lm_head, reply, input_ids=ids).cpu()
                 for subset, mask in masks.items():
                     keep = mask[reply].cpu()

@@ -28,8 +28,7 @@ from tqdm.auto import tqdm
 
 from distill.data import pack, render_conversation
 from distill.objective import token_agreement
-from distill.served import replies, teacher_hidden
-from swiftkv.modeling_swiftkv import exact_kv_positions
+from distill.served import replies, served_hidden, teacher_hidden
 from toolkit.assets import iter_conversations
 
 from . import prompt_heavy_data
@@ -84,11 +83,8 @@ def score_samples(
         ids, pos, loss = rows["input_ids"], rows["position_ids"], rows["loss_mask"].bool()
         final, lower = teacher_hidden(teacher, ids, pos, layers)
         for name, student in students.items():
-            exact = None if windows[name] is None else exact_kv_positions(loss, pos, windows[name])
-            query = loss if exact is None else loss | exact
-            hidden, _ = student.model.student_rows_hidden(
-                lower[student.config.num_key_value_layers], pos, query, exact
-            )
+            x_l = lower[student.config.num_key_value_layers]
+            hidden = served_hidden(student, x_l, pos, loss, windows[name])
             out[name][i] = (
                 token_agreement(hidden, final, student.lm_head, loss, input_ids=ids).sum(0).cpu().numpy()
             )
@@ -128,12 +124,8 @@ def answer_correct(teacher, students: dict, prompt: list[int], answer: list[int]
     final, lower = teacher_hidden(teacher, ids, pos, layers)
     out = {"teacher": bool((teacher.get_output_embeddings()(final[loss]).argmax(-1) == target).all())}
     for name, student in students.items():
-        window = student.config.exact_kv_window
-        exact = exact_kv_positions(loss, pos, window) if window else None
-        query = loss if exact is None else loss | exact
-        hidden, _ = student.model.student_rows_hidden(
-            lower[student.config.num_key_value_layers], pos, query, exact
-        )
+        x_l = lower[student.config.num_key_value_layers]
+        hidden = served_hidden(student, x_l, pos, loss, student.config.exact_kv_window or None)
         out[name] = bool((student.lm_head(hidden[loss]).argmax(-1) == target).all())
     return out
 
