@@ -39,11 +39,10 @@ from torch import nn
 from torch.func import functional_call
 
 from swiftkv.convert import read_config
-from swiftkv.modeling_swiftkv import exact_kv_positions
 from toolkit.artifacts import read_provenance, write_json_atomic
 from toolkit.cliargs import UsageError, add_limit, add_model, add_out, run
 
-from .objective import agreement_metrics, metrics_from_sums
+from .objective import agreement_metrics, metrics_from_sums, served_positions
 
 EPILOG = """examples:
   swiftkv diagnose out/distill/smollm2-swiftkv50/model --out out/diagnose50
@@ -363,9 +362,9 @@ def diagnose(
             predicted.append(_predicted(model, h))
             if oracle:
                 kv = model.model.swiftkv_key_values(x_l, prepared)
-                mask = part["loss_mask"]
-                window = model.config.exact_kv_window
-                exact = exact_kv_positions(mask, pos, window) if window else None  # the served positions
+                mask, exact = served_positions(  # the served positions
+                    part["loss_mask"], pos, model.config.exact_kv_window, cfg.loss.exact_kv_replies
+                )
                 for name, (swap, queries) in variants.items():
                     student = _student(model, x_l, prepared, kv, teacher_kv, swap, queries, exact)
                     sums[name] += agreement_metrics(

@@ -163,6 +163,23 @@ def last_replies(loss_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.T
     return scored & (run == last.gather(1, sample))
 
 
+def served_positions(
+    loss_mask: torch.Tensor, position_ids: torch.Tensor, window: int, replies: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The positions the loss counts and, with exact K/V (``exact_kv_window`` W > 0), the ones that take them.
+
+    Each counted reply must be in a regime some served request produces: ``replies="last"`` counts only each
+    packed sample's last reply, its history (earlier replies included) prompt with SwiftKV K/V (a request
+    without a prefix-cache hit); ``"all"`` counts every reply, each generated with exact K/V (a chat continued
+    in its own cache).  Exact: the counted positions (a reply and the last prompt token before it all run every
+    layer when the reply is generated) and the W - 1 prompt positions before each counted reply."""
+    if not window:
+        return loss_mask, None
+    if replies == "last":
+        loss_mask = last_replies(loss_mask, position_ids).to(loss_mask.dtype)
+    return loss_mask, exact_kv_positions(loss_mask, position_ids, window)
+
+
 class DistillationObjective(nn.Module):
     """One module whose forward is the distillation loss of a batch (and metrics in eval mode)."""
 
@@ -207,22 +224,10 @@ class DistillationObjective(nn.Module):
         )
         return t_out.logits, s_out.logits, t_out.hidden_states[-2], s_out.hidden_states[-2], nn.Identity()
 
-    def exact_mask(self, position_ids, loss_mask) -> torch.Tensor | None:
-        """With exact K/V (``exact_kv_window`` W), the positions that take them: the ones the loss counts (the
-        reply tokens and the last prompt token before each reply, all run every layer when a reply is generated)
-        and the W - 1 prompt positions before each reply, for every reply or (``loss.exact_kv_replies: last``)
-        each sample's last; the student trains in the regime it is served in."""
-        window = getattr(self.causal_lm.config, "exact_kv_window", 0)
-        if not window:
-            return None
-        generated = (
-            last_replies(loss_mask, position_ids) if self.loss_cfg.exact_kv_replies == "last" else loss_mask
-        )
-        return exact_kv_positions(generated, position_ids, window)
-
     def forward(self, input_ids, position_ids, loss_mask) -> dict[str, torch.Tensor]:
         cfg = self.loss_cfg
-        exact = self.exact_mask(position_ids, loss_mask)
+        window = getattr(self.causal_lm.config, "exact_kv_window", 0)
+        loss_mask, exact = served_positions(loss_mask, position_ids, window, cfg.exact_kv_replies)
         teacher, student, t_in, s_in, head = self._hidden(input_ids, position_ids, exact, loss_mask)
         mask = loss_mask.to(student.dtype)
         kl = kd_loss(student, teacher, head, loss_mask, cfg.temperature, cfg.chunk_tokens, cfg.normalize)

@@ -204,10 +204,10 @@ class LossSection(_Section):
     chunk_tokens: int = Field(1024, ge=1, description="tokens per vocab-projection chunk (bounds memory)")
     exact_kv_replies: Literal["all", "last"] = Field(
         "last",
-        description="with model.exact_kv_window: which replies of a packed sample the student generates with "
-        "exact K/V (last: each sample's last reply, after a history of SwiftKV K/V, as a request re-sent without "
-        "a prefix-cache hit, the served regime of docs/swiftkv.md; all: a chat continued in its cache); every "
-        "reply still counts in the loss",
+        description="with model.exact_kv_window: which replies of a packed sample the loss counts, each "
+        "generated with exact K/V (last: each sample's last reply, after a history of SwiftKV K/V, earlier "
+        "replies included, as a request re-sent without a prefix-cache hit, the served regime of "
+        "docs/swiftkv.md; all: every reply, a chat continued in its own cache)",
     )
 
 

@@ -132,3 +132,37 @@ def test_last_replies_keep_each_samples_last_reply():
     loss = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0]])
     pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])
     assert last_replies(loss, pos).int().tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("replies", ["last", "all"])
+def test_exact_kv_replies_score_each_reply_in_a_served_regime(replies):
+    """Every reply the loss counts is scored as some served request would produce it: with ``last`` only each
+    sample's last reply counts (exact K/V on it and the W - 1 tokens before it, the history SwiftKV: a request
+    without a prefix-cache hit); an earlier reply, whose own tokens carry SwiftKV K/V there, is history, not
+    scored.  With ``all`` every reply counts, each exact (a chat continued in its own cache)."""
+    from helpers.reference import student_logits
+
+    from swiftkv.modeling_swiftkv import exact_kv_positions
+
+    model = to_swiftkv(tiny_base("llama"), 2, 1)
+    for name in model.swiftkv_parameter_names():
+        model.get_parameter(name).data.add_(0.05 * torch.randn_like(model.get_parameter(name)))
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(6))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5]])  # two packed samples
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0]])  # replies 2-3 and 7-8; 12-14
+    last = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0]])
+    scored = last if replies == "last" else mask
+    loss = LossSection(temperature=1.0, mse_weight=0.0, exact_kv_replies=replies)
+    model.config.exact_kv_window = 2
+    objective = DistillationObjective(model, loss).eval()
+    with torch.no_grad():
+        got = objective(ids, pos, mask)["kl"]
+        exact = exact_kv_positions(scored, pos, 2)
+        kl = []
+        for part in (slice(0, 10), slice(10, 16)):
+            model.set_mode("teacher")
+            teacher = model(ids[:, part]).logits.log_softmax(-1)
+            model.set_mode("student")
+            student = student_logits(model, ids[:, part], None, exact[:, part]).log_softmax(-1)
+            kl.append((teacher.exp() * (teacher - student)).sum(-1)[scored[:, part].bool()])
+    torch.testing.assert_close(got, torch.cat(kl).mean(), atol=1e-5, rtol=1e-4)
