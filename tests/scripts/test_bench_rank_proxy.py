@@ -95,7 +95,7 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
     recorded lengths in the proxy; every arm completes its requests, the calibration and the simulator run."""
     from transformers import AutoTokenizer
 
-    from eval.serving.ranking.labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+    from eval.serving.ranking.labels import sharegpt_lengths, unique_pairs, write_sharegpt_json
     from eval.serving.ranking.train import TrainConfig, train_ranker
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
@@ -106,7 +106,7 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
     tokenizer.save_pretrained(model)
     sharegpt_lengths(smollm2, tmp_path / "lengths", records="train", limit=300)
     ranker = train_ranker(tmp_path / "lengths", tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=16))
-    dataset = write_sharegpt_json(first_pairs("sharegpt", "heldout")[:200], tmp_path / "heldout.json")
+    dataset = write_sharegpt_json(unique_pairs("sharegpt", "heldout")[:200], tmp_path / "heldout.json")
     out = tmp_path / "result.json"
     argv = (
         str(model),

@@ -244,11 +244,11 @@ def _command(args) -> str | None:
             )
         )
     if args.command == "labels":
-        from .labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+        from .labels import sharegpt_lengths, unique_pairs, write_sharegpt_json
 
         file = sharegpt_lengths(args.model, args.out, args.data, args.records, args.limit)
         if args.sharegpt_json:
-            write_sharegpt_json(first_pairs(args.data, args.records), args.sharegpt_json)
+            write_sharegpt_json(unique_pairs(args.data, args.records), args.sharegpt_json)
         return str(file)
     if args.command == "proxy":
         from .proxy import serve

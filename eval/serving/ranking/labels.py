@@ -5,8 +5,12 @@ vLLM's ``bench serve --dataset-name sharegpt`` takes ``conversations[0]`` as the
 served model's tokenizer (``tokenizer(text).input_ids``, special tokens as the tokenizer adds them) and keeps
 a pair when both have at least 4 tokens, the prompt at most 1,024 and the two together at most 2,048
 (``is_valid_sequence``).  The output length it requests is the completion's length.  These labels are the
-same numbers, written as traces (``prompt``, ``prompt_len``, ``output_len``) that :mod:`.train` reads;
-repeated prompts are kept once (the first), so a held-out split never holds a training prompt.
+same numbers, written as traces (``prompt``, ``prompt_len``, ``output_len``) that :mod:`.train` reads.
+
+Each prompt is kept once across the whole file, whatever the split asked for (:func:`unique_pairs`): two prompts
+that differ only in whitespace are the same prompt, and it belongs to the split of its first record.  The
+embedded file repeats many prompts (200 of the 2,209 held-out pairs once also stood, verbatim, among the train
+records), so a per-split deduplication would score a ranker on prompts it was trained on.
 
 ``records`` picks the embedded file's split (:mod:`toolkit.assets`): ``train`` for rankers, ``heldout`` for
 the benchmark prompts; :func:`write_sharegpt_json` writes the chosen pairs in the ShareGPT JSON layout that
@@ -17,32 +21,44 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from toolkit.artifacts import write_json_atomic
 
-from .traces import META_FILE, TRACES_FILE
+from .traces import META_FILE, TRACES_FILE, prompt_key
 
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048  # vllm.benchmarks.datasets.is_valid_sequence
 
 
-def first_pairs(data: str | os.PathLike = "sharegpt", records: str = "all") -> list[tuple[str, str]]:
-    """(first turn, second turn) of each record with two turns, as vLLM reads them (roles not checked)."""
-    from toolkit.assets import resolve_data_path, split_range
+def _indexed_pairs(data: str | os.PathLike) -> Iterator[tuple[int, str, str]]:
+    """(record index, first turn, second turn) of each record with two turns, as vLLM reads them (roles not
+    checked)."""
+    from toolkit.assets import resolve_data_path
 
-    span = split_range(data, records)  # type: ignore[arg-type]
-    pairs = []
     with open(resolve_data_path(data)) as f:
         for i, line in enumerate(f):
-            if i < span.start:
-                continue
-            if i >= span.stop:
-                break
             turns = json.loads(line).get("conversations") or []
             if len(turns) >= 2 and isinstance(turns[0], dict) and isinstance(turns[1], dict):
                 prompt, reply = turns[0].get("value"), turns[1].get("value")
                 if isinstance(prompt, str) and isinstance(reply, str):
-                    pairs.append((prompt, reply))
+                    yield i, prompt, reply
+
+
+def unique_pairs(data: str | os.PathLike = "sharegpt", records: str = "all") -> list[tuple[str, str]]:
+    """The pairs of ``records`` whose prompt (:func:`prompt_key`) no earlier record of the file has, in any
+    split: deduplicated across the splits before they are taken apart, so no held-out prompt is a train one."""
+    from toolkit.assets import split_range
+
+    span = split_range(data, records)  # type: ignore[arg-type]
+    seen: set[str] = set()
+    pairs = []
+    for i, prompt, reply in _indexed_pairs(data):
+        key = prompt_key(prompt)
+        if key not in seen:
+            seen.add(key)
+            if i in span:
+                pairs.append((prompt, reply))
     return pairs
 
 
@@ -59,11 +75,7 @@ def sharegpt_lengths(
     if records not in ("all", "train", "heldout"):
         raise ValueError(f"records={records!r}; to resolve, pass all, train or heldout")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    pairs, seen = [], set()
-    for prompt, reply in first_pairs(data, records):
-        if prompt not in seen:
-            seen.add(prompt)
-            pairs.append((prompt, reply))
+    pairs = unique_pairs(data, records)
     kept = []
     for start in range(0, len(pairs), 512):
         chunk = pairs[start : start + 512]
@@ -99,6 +111,7 @@ def sharegpt_lengths(
             "records": records,
             "max_new_tokens": MAX_TOTAL_LEN - MIN_LEN,
             "filter": {"min_len": MIN_LEN, "max_prompt_len": MAX_PROMPT_LEN, "max_total_len": MAX_TOTAL_LEN},
+            "deduplicated": "prompts unique across every split of the file (whitespace-normalized)",
         },
     )
     return file

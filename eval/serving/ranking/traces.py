@@ -78,20 +78,42 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
+def prompt_key(prompt: str) -> str:
+    """A prompt's identity for deduplication: whitespace runs collapsed to one space, the ends stripped."""
+    return " ".join(prompt.split())
+
+
+def prompt_digest(prompt: str) -> str:
+    """A short digest of :func:`prompt_key`: what a ranker records of the prompts it was trained on."""
+    import hashlib
+
+    return hashlib.sha256(prompt_key(prompt).encode()).hexdigest()[:16]
+
+
 def split_traces(
     traces: list[Trace], held_out: float = 0.2, seed: int = 0
 ) -> tuple[list[Trace], list[Trace]]:
     """A deterministic shuffle split into (train, held-out); every stage uses the same one.
 
-    ``held_out=0`` trains on every trace (the held-out part is empty): for a ranker that is evaluated on
-    other traces, e.g. trained on ShareGPT's train records and scored on its held-out records."""
+    The shuffle is over distinct prompts (:func:`prompt_key`): traces of one prompt (a repeat, or several
+    replies sampled to it) fall on the same side, so no held-out prompt is a training one.  Traces without
+    repeats split as a shuffle of the traces.  ``held_out=0`` trains on every trace (the held-out part is
+    empty): for a ranker that is evaluated on other traces, e.g. trained on ShareGPT's train records and scored
+    on its held-out records."""
     import numpy as np
 
     if not 0.0 <= held_out < 1.0:
         raise ValueError(f"held_out={held_out} must be in [0, 1); to resolve, pass e.g. 0.2")
-    order = np.random.default_rng(seed).permutation(len(traces))
-    n_test = max(1, round(len(traces) * held_out)) if held_out else 0
-    return [traces[i] for i in order[n_test:]], [traces[i] for i in order[:n_test]]
+    group: dict[str, int] = {}
+    of = np.array([group.setdefault(prompt_key(t.prompt), len(group)) for t in traces], np.int64)
+    order = np.random.default_rng(seed).permutation(len(group))
+    n_test = max(1, round(len(group) * held_out)) if held_out else 0
+    test = np.zeros(len(group), bool)
+    test[order[:n_test]] = True
+    rank = np.empty(len(group), np.int64)
+    rank[order] = np.arange(len(group))
+    by_shuffle = np.argsort(rank[of], kind="stable")  # the groups' shuffled order, a group's traces together
+    return [traces[i] for i in by_shuffle if not test[of[i]]], [traces[i] for i in by_shuffle if test[of[i]]]
 
 
 def _valid_lines(file: Path) -> list[str]:

@@ -36,7 +36,7 @@ from .predictors import (
     small_lm_logits,
     to_scores,
 )
-from .traces import Trace, load_traces, read_meta, split_traces, traces_file
+from .traces import Trace, load_traces, prompt_digest, read_meta, split_traces, traces_file
 
 log = logging.getLogger(__name__)
 TRAIN_FILE = "train.json"
@@ -153,6 +153,7 @@ def train_ranker(
         "n_held_out": len(test),
         "config": config.model_dump(exclude={"target_model", "backbone"}),  # paths: not portable
         "one_feature": one_feature_fit(np.array([_prompt_len(t) for t in train]), lengths),
+        "prompt_digests": sorted({prompt_digest(t.prompt) for t in train}),  # what `evaluate` must never score
     }
     if config.kind == "ngram":
         if target is None:
@@ -260,21 +261,32 @@ def train_ranker(
 def held_out_traces(
     ranker_dir: str | os.PathLike, traces_path: str | os.PathLike, split: str = "held-out"
 ) -> list[Trace]:
-    """The prompts a ranker never saw: the recorded held-out split, or all traces for ``split="all"``."""
+    """The prompts a ranker never saw: the recorded held-out split, or all traces for ``split="all"``, less
+    any trace whose prompt (whitespace-normalized) the ranker was trained on, whatever file it came from."""
     traces = load_traces(traces_path)
-    if split == "all":
-        return traces
     info = json.loads((Path(ranker_dir) / TRAIN_FILE).read_text())
-    if not info["config"]["held_out"]:
+    if split != "all":
+        if not info["config"]["held_out"]:
+            raise ValueError(
+                f"ranker {ranker_dir} was trained on every trace (--held-out 0), so it has no held-out split; "
+                "to resolve, pass traces it was not trained on with --split all"
+            )
+        if info.get("traces_sha256") != sha256_file(traces_file(traces_path)):
+            log.info(
+                "traces differ from the training traces; the split is still the recorded seed's held-out part"
+            )
+        traces = split_traces(traces, info["config"]["held_out"], info["config"]["seed"])[1]
+    seen = set(info.get("prompt_digests", ()))  # rankers trained before 2026-12-06 record none
+    unseen = [t for t in traces if prompt_digest(t.prompt) not in seen]
+    if len(unseen) < len(traces):
+        log.warning("%d of %d prompts were training prompts of %s; left out", len(traces) - len(unseen),
+                    len(traces), ranker_dir)  # fmt: skip
+    if not unseen:
         raise ValueError(
-            f"ranker {ranker_dir} was trained on every trace (--held-out 0), so it has no held-out split; "
-            "to resolve, pass traces it was not trained on with --split all"
+            f"every prompt of {traces_path} was a training prompt of {ranker_dir}; to resolve, evaluate on "
+            "prompts it was not trained on"
         )
-    if info.get("traces_sha256") != sha256_file(traces_file(traces_path)):
-        log.info(
-            "traces differ from the training traces; the split is still the recorded seed's held-out part"
-        )
-    return split_traces(traces, info["config"]["held_out"], info["config"]["seed"])[1]
+    return unseen
 
 
 def load_ranker(

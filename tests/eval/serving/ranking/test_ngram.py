@@ -8,7 +8,7 @@ import pytest
 from helpers.ranking import synthetic_pairs
 
 from eval.serving.ranking.cli import main
-from eval.serving.ranking.labels import first_pairs, sharegpt_lengths, write_sharegpt_json
+from eval.serving.ranking.labels import sharegpt_lengths, unique_pairs, write_sharegpt_json
 from eval.serving.ranking.ngram import NgramScorer, count_matrix, design, fit, hashed_ngrams
 from eval.serving.ranking.predictors import Ranker
 from eval.serving.ranking.traces import load_traces, read_meta
@@ -57,8 +57,8 @@ def test_labels_follow_vllm_filter(sharegpt_file, tokenizer_dir, tmp_path):
         for t in traces
     )
     assert read_meta(file)["source"] == "sharegpt-recorded"
-    assert len(first_pairs(sharegpt_file)) == 405
-    out = write_sharegpt_json(first_pairs(sharegpt_file)[:3], tmp_path / "sg.json")
+    assert len(unique_pairs(sharegpt_file)) == 404  # the duplicate prompt once
+    out = write_sharegpt_json(unique_pairs(sharegpt_file)[:3], tmp_path / "sg.json")
     assert json.loads(out.read_text())[2]["conversations"][1]["from"] == "gpt"
     with pytest.raises(ValueError, match="records"):
         sharegpt_lengths(tokenizer_dir, tmp_path / "x", data=sharegpt_file, records="test")
@@ -109,7 +109,7 @@ def test_cli_labels_train_evaluate(sharegpt_file, tokenizer_dir, tmp_path, capsy
         )
         == 0
     )
-    assert len(json.loads((tmp_path / "sg.json").read_text())) == 405
+    assert len(json.loads((tmp_path / "sg.json").read_text())) == 404
     assert (
         main(
             [
