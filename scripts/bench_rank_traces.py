@@ -1,13 +1,18 @@
 """The model's own reply lengths, sampled by vLLM (much faster than transformers' generate on this CPU).
 
 Run with the vLLM venv's python.  Takes the prompts of a traces directory (e.g. the recorded ShareGPT lengths
-of ``ranking labels``), samples one reply to each as a chat turn with the served model (temperature, top-p and
-a length cap as given), and writes traces (``prompt``, ``prompt_len``, ``output_len``, ``finished``) with a
-``meta.json`` naming the model and the cap, which ``ranking train`` / ``evaluate`` read.  Prints the fraction of
-replies that hit the cap (the issue's bar: at most 10%).
+of ``ranking labels``, whose prompts are unique across the file's splits), samples one reply to each as a chat
+turn with the served model (temperature, top-p and a length cap as given), and writes traces (``prompt``,
+``prompt_len``, ``output_len``, ``finished``) with a ``meta.json`` naming the model, the cap and the generation
+time, which ``ranking train`` / ``evaluate`` read.  Prints the fraction of replies that hit the cap.
 
-    .venv-vllm/bin/python scripts/bench_rank_traces.py MODEL out/sg-train --out out/own-traces --limit 600 \\
-        --max-new-tokens 1536 --temperature 0.7 --top-p 0.9
+Resumable and bounded: prompts go to the engine ``--chunk`` at a time and each finished chunk is appended to
+the JSONL; a rerun with the same options continues after the last complete chunk, and a run stops starting
+chunks once ``--time-limit`` seconds would be passed (judged by its slowest chunk so far).  Each request has its
+own seed (``--seed`` + its index), so a resumed run samples what one uninterrupted run would.
+
+    .venv-vllm/bin/python scripts/bench_rank_traces.py MODEL out/sg-train --out out/own-traces --limit 3000 \\
+        --max-new-tokens 2048 --time-limit 1500            # rerun until it prints "complete"
 """
 
 from __future__ import annotations
@@ -16,10 +21,68 @@ import argparse
 import json
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+OPTIONS = ("limit", "max_prompt_tokens", "max_new_tokens", "temperature", "top_p", "seed")
+
+
+def done_rows(file: Path) -> list[dict]:
+    """The complete lines of a partly written traces JSONL, the file truncated to them (a torn last line from a
+    killed run is dropped)."""
+    if not file.is_file():
+        return []
+    rows = []
+    for line in file.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def generate(
+    rows: list[dict],
+    out: Path,
+    meta: dict,
+    sample: Callable[[list[dict], int], list[tuple[int, bool]]],
+    chunk: int,
+    time_limit: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
+    """Append (length, finished) of ``sample(rows[i:i + chunk], i)`` to ``out/traces.jsonl`` chunk by chunk,
+    after the rows already there; stop before a chunk that would pass ``time_limit`` seconds.  ``meta`` (the
+    options) must equal what ``out/meta.json`` holds, if anything; returns the updated meta."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta_file, file = out / "meta.json", out / "traces.jsonl"
+    old = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    if old is not None and {k: old.get(k) for k in meta} != meta:
+        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        raise ValueError(f"{out} holds traces made with other options {diff}; to resolve, use a new --out")
+    meta = {**meta, "generation_s": 0.0, **(old or {})}
+    done = len(done_rows(file))
+    if [r["prompt"] for r in done_rows(file)] != [r["prompt"] for r in rows[:done]]:
+        raise ValueError(f"{file} holds other prompts than the source's first {done}; to resolve, use a new --out")
+    start, slowest = clock(), 0.0
+    with open(file, "a") as f:
+        while done < len(rows) and clock() - start + slowest <= time_limit:
+            t0 = clock()
+            part = rows[done : done + chunk]
+            for r, (length, finished) in zip(part, sample(part, done), strict=True):
+                f.write(json.dumps({"prompt": r["prompt"], "prompt_len": r["prompt_len"], "output_len": length,
+                                    "finished": finished}) + "\n")  # fmt: skip
+            f.flush()
+            done += len(part)
+            slowest = max(slowest, clock() - t0)
+            meta["generation_s"] += clock() - t0
+            meta_file.write_text(json.dumps(meta, indent=1))
+    meta_file.write_text(json.dumps({**meta, "complete": done == len(rows)}, indent=1))
+    return {**meta, "done": done, "complete": done == len(rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,47 +90,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", type=Path)
     p.add_argument("prompts", type=Path, help="traces directory or JSONL whose prompts to answer")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--limit", type=int, default=600)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=1536)
+    p.add_argument("--limit", type=int, default=3000, help="the first N prompts within --max-prompt-tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=256, help="prompts per engine call (one append each)")
+    p.add_argument("--time-limit", type=float, default=1500.0, help="seconds; no chunk starts that would pass it")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0)
     args = p.parse_args(argv)
     source = args.prompts / "traces.jsonl" if args.prompts.is_dir() else args.prompts
     if not source.is_file() or not args.model.is_dir():
-        print(
-            f"{source} or {args.model} not found; to resolve, pass a traces directory and a model",
-            file=sys.stderr,
-        )
+        print(f"{source} or {args.model} not found; to resolve, pass a traces directory and a model", file=sys.stderr)
         return 2
-    import os
-
-    from eval.serving.vllm.cpu import cpu_environment, make_llm
-
-    os.environ.update(cpu_environment(tempfile.mkdtemp(prefix="rank-traces-")))
-    from vllm import SamplingParams
-
+    if min(args.limit, args.max_new_tokens, args.chunk) < 1 or args.time_limit <= 0:
+        print("--limit, --max-new-tokens, --chunk and --time-limit must be positive", file=sys.stderr)
+        return 2
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("prompt_len", 0) <= args.max_prompt_tokens][: args.limit]
-    llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
-                   kv_cache_memory_bytes=1 << 30, dtype="float32")  # fmt: skip
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                            seed=args.seed)  # fmt: skip
-    outputs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in rows], params, use_tqdm=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    capped = 0
-    with open(args.out / "traces.jsonl", "w") as f:
-        for r, out in zip(rows, outputs, strict=True):
-            done = out.outputs[0].finish_reason == "stop"
-            capped += not done
-            f.write(json.dumps({"prompt": r["prompt"], "prompt_len": r["prompt_len"],
-                                "output_len": len(out.outputs[0].token_ids), "finished": done}) + "\n")  # fmt: skip
-    meta = {"model": str(args.model.resolve()), "data": str(source), "source": "own-generations-vllm",
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "seed": args.seed}  # fmt: skip
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"{len(rows)} replies, {capped / len(rows):.1%} hit the {args.max_new_tokens}-token cap")
+    meta = {"model": str(args.model.resolve()), "data": str(source.resolve()), "source": "own-generations-vllm",
+            **{k: getattr(args, k) for k in OPTIONS}}  # fmt: skip
+    llm = None
+
+    def sample(part: list[dict], first: int) -> list[tuple[int, bool]]:
+        nonlocal llm
+        import os
+
+        from eval.serving.vllm.cpu import cpu_environment, make_llm
+
+        if llm is None:  # only when there is work: a finished directory starts no engine
+            os.environ.update(cpu_environment(tempfile.mkdtemp(prefix="rank-traces-")))
+            llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
+                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), dtype="float32")  # fmt: skip
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                 seed=args.seed + first + i) for i in range(len(part))]  # fmt: skip
+        outputs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in part], params, use_tqdm=False)
+        return [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop") for o in outputs]
+
+    try:
+        result = generate(rows, args.out, meta, sample, args.chunk, args.time_limit)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    traces = done_rows(args.out / "traces.jsonl")
+    capped = sum(not t["finished"] for t in traces)
+    print(f"{len(traces)} of {len(rows)} replies ({'complete' if result['complete'] else 'rerun to continue'}), "
+          f"{capped} ({capped / max(1, len(traces)):.1%}) hit the {args.max_new_tokens}-token cap, "
+          f"{result['generation_s']:.0f} s of generation in all")  # fmt: skip
     return 0
 
 
