@@ -6,8 +6,10 @@ Layout of one layer (``TaleLayer``), in insertion order of the tokens::
 
 - ``exact_k/exact_v`` ``(batch, heads, n_exact, d)`` hold the sinks followed by the window, model dtype.
 - tier ``t`` holds ``k``/``v`` coefficient ``QTensor``s ``(batch, heads, n_t, rank_t)``; which tier each
-  compressed token went to is ``tier_ids`` ``(batch, heads, n_compressed)`` uint8, needed only to mask
-  compressed tokens when a padding mask reaches into them.
+  compressed token went to is ``tier_ids`` ``(batch, heads, n_compressed * bits / 8)``, packed at
+  ``Policy.tier_id_bits`` (2 bits for up to 4 tiers, nothing for one), needed only to mask compressed
+  tokens when a padding mask reaches into them.  So that the ids pack into whole bytes, tokens leave the
+  window in multiples of ``8 // tier_id_bits``.
 - ``acc``/``cnt`` track the significance of the exact tokens: the attention each one received, times the
   number of keys the attending query could see (so 1.0 means "as much as a uniform share"), summed over
   the queries and averaged over the query heads of its KV group; divided by how many queries saw it.
@@ -162,7 +164,14 @@ class TaleLayer(CacheLayerMixin):
     def tier_positions(self, tier: int) -> torch.Tensor:
         """Indices (within the compressed range) of tier ``tier``'s tokens, ``(batch, heads, n_tier)``."""
         n = len(self.tier_k[tier])
-        return torch.argsort((self.tier_ids != tier).to(torch.uint8), dim=-1, stable=True)[..., :n]
+        return torch.argsort((self.tier_of() != tier).to(torch.uint8), dim=-1, stable=True)[..., :n]
+
+    def tier_of(self) -> torch.Tensor:
+        """The tier of every compressed token, ``(batch, heads, n_compressed)`` uint8 (unpacks ``tier_ids``)."""
+        bits = self.policy.tier_id_bits
+        if bits == 0:
+            return self.tier_ids.new_zeros(*self.tier_ids.shape[:2], self.n_compressed)
+        return quant.unpack(self.tier_ids, bits)
 
     def record_significance(
         self, probs: torch.Tensor, allowed: torch.Tensor, visible: torch.Tensor, groups: int
@@ -271,6 +280,8 @@ class TaleLayer(CacheLayerMixin):
         need = min(self.policy.observe, self.policy.window + 1)
         seen = self.cnt[:, s : s + overflow].amax(0) / self.readers
         ready = int((seen >= need - 0.5).cumprod(0).sum())
+        bits = self.policy.tier_id_bits
+        ready -= ready % (8 // bits) if bits else 0  # whole bytes of packed tier ids
         if ready >= self.policy.block:
             self._compress(s, ready)
 
@@ -290,24 +301,25 @@ class TaleLayer(CacheLayerMixin):
             idx = torch.argsort((tier_id != t).to(torch.uint8), dim=-1, stable=True)[..., :count]
             reserve = RESERVED_BLOCKS * per_block[t]
             self.tier_k[t] = self._append(
-                self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits, reserve
+                self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits, tier.k_scales, reserve
             )
             self.tier_v[t] = self._append(
-                self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits, reserve
+                self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits, tier.v_scales, reserve
             )
-        self.tier_ids = torch.cat([self.tier_ids, tier_id], dim=-1)
+        if self.policy.tier_id_bits:
+            self.tier_ids = torch.cat([self.tier_ids, quant.pack(tier_id, self.policy.tier_id_bits)], dim=-1)
         keep = lambda x: torch.cat([x[..., :start, :], x[..., stop:, :]], dim=-2).contiguous()  # noqa: E731
         self.exact_k, self.exact_v = keep(self.exact_k), keep(self.exact_v)
         self.acc = torch.cat([self.acc[..., :start], self.acc[..., stop:]], dim=-1).contiguous()
         self.cnt = torch.cat([self.cnt[..., :start], self.cnt[..., stop:]], dim=-1).contiguous()
         self.n_compressed += n
 
-    def _append(self, store, states, idx, basis, rank, bits, reserve: int) -> quant.QTensor:
+    def _append(self, store, states, idx, basis, rank, bits, scales, reserve: int) -> quant.QTensor:
         picked = torch.gather(states, 2, idx.unsqueeze(-1).expand(*idx.shape, states.shape[-1]))
         coeffs = picked.float() @ basis[..., :rank]
         if bits is None:
             coeffs = coeffs.to(self.dtype)
-        new = quant.quantize(coeffs, bits, self.policy.group_size)
+        new = quant.quantize(coeffs, bits, self.policy.group_size, self.policy.token_group_of(scales))
         return quant.append(store, new, reserve)
 
     def reconstruct(self) -> tuple[torch.Tensor, torch.Tensor]:

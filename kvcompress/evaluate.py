@@ -11,8 +11,14 @@ Methods are named by short specs so the benchmark's table is reproducible from i
 - ``full``: ``DynamicCache`` (the baseline, sdpa attention);
 - ``tale:B`` (optionally ``tale:B:8-4-2``, one bit width per tier): TALE with ``Policy.from_budget(B, bits)``;
 - ``tiers:SPEC``: explicit tiers, e.g. ``tiers:32/48@4x0.3+16/32@2x0.7`` (K/V ranks @ bits x fraction);
+- both take a scales suffix ``:KV[:G]``, one letter for keys and one for values, ``t`` per-token scales and
+  ``c`` per-channel scales over groups of ``G`` tokens (default 64), e.g. ``tale:0.25:4-2-2:ct``, and an
+  optional rank-group size for per-token scales as ``:KV:G:RG`` (default: the whole vector);
 - ``lowrank:R:BITS``: one tier of rank ``R`` for every compressed token (uniform low rank; BITS 16 = fp16);
 - ``quant:BITS``: identity basis, i.e. plain per-token quantization of K/V (uniform quantization);
+- ``kivi:BITS[:R[:G]]``: KIVI (Liu et al. 2024) on the same cache: identity basis, keys per channel over
+  groups of ``G`` tokens (default 32), values per token in groups of ``G`` channels, no sinks, the ``R``
+  most recent tokens (default 128, plus up to ``G - 1`` waiting) exact;
 - ``hf-fp8``: transformers' ``QuantizedCache(backend="fp8")`` (quanto/HQQ backends are not installed here).
 
 Every TALE-family method uses the same sinks/window/block, so the comparison isolates the storage format.
@@ -20,6 +26,7 @@ Every TALE-family method uses the same sinks/window/block, so the comparison iso
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -50,20 +57,54 @@ def make_method(
         model.set_attn_implementation("sdpa")
         return lambda: QuantizedCache(backend="fp8", config=model.config)
     enable_tale(model)
-    if name == "tale":
+    if name == "kivi":
+        bits, residual, group = (int(a) for a in args + ["128", "32"][len(args) - 1 :])
+        tier = Tier(k_rank=head_dim, v_rank=head_dim, bits=bits, fraction=1.0, k_scales="channel")
+        policy = Policy(
+            sinks=0, window=residual, block=group, token_group=group, group_size=group, tiers=[tier]
+        )
+        factors = identity_factors(model.config)
+    elif name == "tale":
         bits = [int(b) for b in args[1].split("-")] if len(args) > 1 else [8, 4, 2]
-        policy = Policy.from_budget(float(args[0]), bits, head_dim, **shared)
+        extra = scales_options(args[2:])
+        policy = Policy.from_budget(float(args[0]), bits, head_dim, **shared, **extra)
     elif name == "tiers":
-        policy = Policy(tiers=parse_tiers(args[0]), **shared)
+        extra = scales_options(args[1:])
+        k_scales, v_scales = extra.pop("scales", ("token", "token"))
+        tiers = [
+            t.model_copy(update={"k_scales": k_scales, "v_scales": v_scales}) for t in parse_tiers(args[0])
+        ]
+        policy = Policy(tiers=tiers, **shared, **extra)
     elif name == "lowrank":
         policy = uniform_policy(int(args[0]), int(args[1]), **shared)
     elif name == "quant":
         factors, policy = identity_factors(model.config), uniform_policy(head_dim, int(args[0]), **shared)
     else:
         raise ValueError(
-            f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS or hf-fp8"
+            f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS, "
+            "kivi:BITS or hf-fp8"
         )
     return lambda: TaleCache(factors, policy, model.config, model=model)
+
+
+SCALE_LETTERS = {"t": "token", "c": "channel"}
+
+
+def scales_options(args: list[str]) -> dict:
+    """``["ct", "64", "16"]`` (key/value scale letters, token group, rank group) as ``Policy`` keywords."""
+    if not args:
+        return {}
+    letters = args[0]
+    if len(letters) != 2 or any(c not in SCALE_LETTERS for c in letters):
+        raise ValueError(
+            f"scales {letters!r}: to resolve, give two letters of t (per token) and c (per channel), keys first"
+        )
+    out: dict = {"scales": (SCALE_LETTERS[letters[0]], SCALE_LETTERS[letters[1]])}
+    if len(args) > 1:
+        out["token_group"] = int(args[1])
+    if len(args) > 2:
+        out["group_size"] = int(args[2])
+    return out
 
 
 def parse_tiers(spec: str) -> list[Tier]:
@@ -166,6 +207,60 @@ def continuation_logits(
     return torch.cat(logits, dim=1).float()
 
 
+def measure_sequence(
+    model,
+    ids: torch.Tensor,
+    factors: Factors,
+    methods: list[str],
+    prefix: int,
+    chunk: int,
+    sinks: int = 4,
+    window: int = 64,
+) -> dict[str, dict]:
+    """One sequence, every method (``methods[0]`` the reference): summed NLL, KL(reference ‖ method) and top-1
+    agreements over the continuation ``ids[:, prefix:]``, their count, the KV bytes held at the end (exact
+    K/V counted at 16 bits) and what fp16 K/V of the same tokens would cost."""
+    targets, shared, ref, out = ids[:, prefix:], SharedPrefill(model, ids[:, :prefix]), None, {}
+    for m in methods:
+        cache = make_method(m, model, factors, sinks, window)()
+        start = time.perf_counter()
+        logits = continuation_logits(model, ids, cache, prefix, chunk, shared)
+        seconds = time.perf_counter() - start
+        ref = logits if ref is None else ref
+        out[m] = {
+            **compare(logits, ref, targets),
+            "bytes": kv_bytes(cache, exact_element_bytes=2),
+            "fp16": fp16_kv_bytes(model.config, ids.shape[1] - 1),
+            "seconds": seconds,
+        }
+    return out
+
+
+def summarize(records: list[dict[str, dict]], methods: list[str]) -> dict[str, dict]:
+    """Per method over sequences measured with the reference ``methods[0]``: perplexity and its increase over
+    the reference (token-weighted, so ``exp(ΣNLL/Σn)``), KL, top-1 agreement, median KV bytes and ratio to
+    fp16, and the sequences it covers."""
+    rows = {}
+    for m in methods:
+        seqs = [r for r in records if m in r and methods[0] in r]
+        if not seqs:
+            continue
+        n = sum(r[m]["n"] for r in seqs)
+        ppl = math.exp(sum(r[m]["nll"] for r in seqs) / n)
+        base = math.exp(sum(r[methods[0]]["nll"] for r in seqs) / n)
+        rows[m] = {
+            "ppl": ppl,
+            "ppl_increase_pct": 100 * (ppl / base - 1),
+            "kl": sum(r[m]["kl"] for r in seqs) / n,
+            "top1_agree": sum(r[m]["agree"] for r in seqs) / n,
+            "kv_bytes": statistics.median(r[m]["bytes"] for r in seqs),
+            "ratio_vs_fp16": statistics.median(r[m]["fp16"] / r[m]["bytes"] for r in seqs),
+            "seconds": sum(r[m]["seconds"] for r in seqs),
+            "sequences": len(seqs),
+        }
+    return rows
+
+
 def quality(
     model,
     tokenizer,
@@ -179,48 +274,18 @@ def quality(
     window: int = 64,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
-    """Per method (``methods[0]`` is the reference, normally ``full``), over ``count`` held-out ShareGPT
-    sequences of ``prefix + continuation`` tokens: perplexity and its increase over the reference, KL, top-1
-    agreement, and the KV memory held at the end (median over sequences; exact K/V counted at 16 bits, as a
-    16-bit model holds them) with its ratio to an fp16 cache of the same tokens."""
-    seqs = chat_sequences(tokenizer, prefix + continuation, count, split="heldout")
-    totals = {
-        m: {"nll": 0.0, "kl": 0.0, "agree": 0.0, "n": 0, "bytes": [], "fp16": [], "seconds": 0.0}
-        for m in methods
-    }
-    for i, ids in enumerate(seqs):
-        targets, shared, ref = ids[:, prefix:], SharedPrefill(model, ids[:, :prefix]), None
-        for m in methods:
-            cache = make_method(m, model, factors, sinks, window)()
-            start = time.perf_counter()
-            logits = continuation_logits(model, ids, cache, prefix, chunk, shared)
-            totals[m]["seconds"] += time.perf_counter() - start
-            ref = logits if ref is None else ref
-            for k, v in compare(logits, ref, targets).items():
-                totals[m][k] += v
-            totals[m]["bytes"].append(kv_bytes(cache, exact_element_bytes=2))
-            totals[m]["fp16"].append(fp16_kv_bytes(model.config, ids.shape[1] - 1))
+    """``summarize`` of ``measure_sequence`` over ``count`` held-out ShareGPT sequences of ``prefix +
+    continuation`` tokens."""
+    records = []
+    for i, ids in enumerate(chat_sequences(tokenizer, prefix + continuation, count, split="heldout")):
+        records.append(measure_sequence(model, ids, factors, methods, prefix, chunk, sinks, window))
         if progress:
             progress(f"quality: sequence {i + 1}/{count} done")
-    base = totals[methods[0]]
-    if not base["n"]:
+    if not records:
         raise ValueError(
             f"no held-out sequence of {prefix + continuation} tokens was read; to resolve, check the data"
         )
-    base_ppl = torch.tensor(base["nll"] / base["n"]).exp().item()
-    rows = {}
-    for m, t in totals.items():
-        ppl = torch.tensor(t["nll"] / t["n"]).exp().item()
-        rows[m] = {
-            "ppl": ppl,
-            "ppl_increase_pct": 100 * (ppl / base_ppl - 1),
-            "kl": t["kl"] / t["n"],
-            "top1_agree": t["agree"] / t["n"],
-            "kv_bytes": statistics.median(t["bytes"]),
-            "ratio_vs_fp16": statistics.median(f / b for f, b in zip(t["fp16"], t["bytes"], strict=True)),
-            "seconds": t["seconds"],
-        }
-    return rows
+    return summarize(records, methods)
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

@@ -13,6 +13,10 @@ cache it replaces.  These kernels read each packed byte once and never unpack it
 - ``tier_values``: ``Σ_n p_n ĉ_n``.  The transpose of the same trick: each token adds its weight
   ``p_n scale_n`` to a histogram bin per byte (``hist[j, byte]``), the zero points to one sum per group,
   and the bins are expanded into coefficients once per step.
+- Channel scales (one scale and zero per rank position for a group of tokens, ``quant.quantize`` with
+  ``token_group``): ``q · ĉ = (q ⊙ scale_g) · codes + q · zero_g``, so per group the query is scaled once
+  and every token is unpacked in registers and dotted with it; values accumulate ``Σ p codes`` and ``Σ p``
+  per group and apply the group's scale and zero once.  (Byte tables would be rebuilt per group: no gain.)
 - Scales and zero points stay fp16 in memory (numba has no float16): the kernels read their bits as
   uint16 through a 65536-entry float32 table (``HALF``), so no per-step conversion of whole tiers.
 
@@ -142,7 +146,62 @@ def _compiled(bits: int) -> tuple:
                         oh[i, g * size : (g + 1) * size] += zsum[i, g]
                         zsum[i, g] = 0.0
 
-    return scores, values
+    @numba.njit(cache=True, fastmath=True, nogil=True)
+    def channel_scores(packed, scale, zero, starts, q, half, out, offset):  # pragma: no cover - compiled
+        n, nbytes, rows, groups = packed.shape[2], packed.shape[3], q.shape[2], scale.shape[2]
+        rank = nbytes * per
+        qs, zq, codes = (
+            np.empty((rows, rank), np.float32),
+            np.empty(rows, np.float32),
+            np.empty(rank, np.float32),
+        )
+        for b in range(packed.shape[0]):
+            for h in range(packed.shape[1]):
+                qh, oh = q[b, h], out[b, h]
+                for g in range(groups):
+                    for i in range(rows):
+                        z = np.float32(0.0)
+                        for c in range(rank):
+                            qs[i, c] = qh[i, c] * half[scale[b, h, g, c]]
+                            z += qh[i, c] * half[zero[b, h, g, c]]
+                        zq[i] = z
+                    stop = starts[g + 1] if g + 1 < groups else n
+                    for t in range(starts[g], stop):
+                        unpack(packed[b, h, t], 0, nbytes, codes)
+                        for i in range(rows):
+                            dot = np.float32(0.0)
+                            for c in range(rank):
+                                dot += codes[c] * qs[i, c]
+                            oh[i, offset + t] = dot + zq[i]
+
+    @numba.njit(cache=True, fastmath=True, nogil=True)
+    def channel_values(packed, scale, zero, starts, p, half, out, offset):  # pragma: no cover - compiled
+        n, nbytes, rows, groups = packed.shape[2], packed.shape[3], p.shape[2], scale.shape[2]
+        rank = nbytes * per
+        acc, psum, codes = (
+            np.empty((rows, rank), np.float32),
+            np.empty(rows, np.float32),
+            np.empty(rank, np.float32),
+        )
+        for b in range(packed.shape[0]):
+            for h in range(packed.shape[1]):
+                ph, oh = p[b, h], out[b, h]
+                for g in range(groups):
+                    acc[:] = 0.0
+                    psum[:] = 0.0
+                    stop = starts[g + 1] if g + 1 < groups else n
+                    for t in range(starts[g], stop):
+                        unpack(packed[b, h, t], 0, nbytes, codes)
+                        for i in range(rows):
+                            w = ph[i, offset + t]
+                            psum[i] += w
+                            for c in range(rank):
+                                acc[i, c] += w * codes[c]
+                    for i in range(rows):
+                        for c in range(rank):
+                            oh[i, c] += half[scale[b, h, g, c]] * acc[i, c] + half[zero[b, h, g, c]] * psum[i]
+
+    return scores, values, channel_scores, channel_values
 
 
 def _fused(tier: quant.QTensor, rows: int) -> bool:
@@ -153,7 +212,7 @@ def _fused(tier: quant.QTensor, rows: int) -> bool:
         and rows <= SMALL_ROWS
         and tier.data.device.type == "cpu"
         and len(tier) > 0
-        and tier.data.shape[-1] % groups == 0  # every group is whole bytes
+        and (tier.per_channel or tier.data.shape[-1] % groups == 0)  # every group is whole bytes
     )
 
 
@@ -165,13 +224,18 @@ def _arrays(tier: quant.QTensor) -> tuple:
     arrays = getattr(tier, "_kernel_arrays", None)
     if arrays is None:
         bits = (t.view(torch.int16).numpy().view(np.uint16) for t in (tier.scale, tier.zero))
-        arrays = tier._kernel_arrays = (tier.data.numpy(), *bits)
+        starts = (tier.starts.numpy(),) if tier.per_channel else ()
+        arrays = tier._kernel_arrays = (tier.data.numpy(), *bits, *starts)
     return arrays
 
 
 def _run(which: int, tier: quant.QTensor, rows: torch.Tensor, out: torch.Tensor, offset: int) -> None:
     """Kernel ``which`` (0 scores, 1 values) over ``tier``'s codes and fp16 scale/zero bits with float32
-    ``rows``, writing into ``out``; byte tables only for tiers long enough to amortize them (``TABLE_TOKENS``)."""
+    ``rows``, writing into ``out``; byte tables only for per-token scales of tiers long enough to amortize
+    them (``TABLE_TOKENS``)."""
+    if tier.per_channel:
+        _compiled(tier.bits)[2 + which](*_arrays(tier), rows.numpy(), HALF, out.numpy(), offset)
+        return
     tables = tier.bits < 8 and len(tier) >= TABLE_TOKENS
     _compiled(tier.bits)[which](*_arrays(tier), rows.numpy(), tables, HALF, out.numpy(), offset)
 

@@ -33,10 +33,13 @@ default ``--rank-budget 0.25 --bits 8,4,2`` (10% full rank at 8 bits, 30% rank 1
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .quant import ALLOWED_BITS, bytes_per_vector, check_bits
+
+Scales = Literal["token", "channel"]
 
 DEFAULT_FRACTIONS = {1: (1.0,), 2: (0.25, 0.75), 3: (0.1, 0.3, 0.6), 4: (0.1, 0.2, 0.3, 0.4)}
 RANK_MULTIPLIERS = (1.0, 0.5, 0.25)  # key rank of tiers 1, 2, 3 relative to each other
@@ -51,6 +54,11 @@ class Tier(BaseModel):
     v_rank: int = Field(gt=0, description="value coefficients kept per token and head")
     bits: int | None = Field(description="2, 4 or 8 (integer codes), 16 (fp16) or None (model dtype)")
     fraction: float = Field(gt=0, le=1, description="share of each leaving block assigned to this tier")
+    k_scales: Scales = Field(
+        "token",
+        description="key scales: per token (groups of group_size) or per channel (token_group tokens)",
+    )
+    v_scales: Scales = Field("token", description="value scales, as k_scales")
 
 
 class Policy(BaseModel):
@@ -68,6 +76,9 @@ class Policy(BaseModel):
     )
     group_size: int | None = Field(
         None, description="coefficients per quantization group (None: whole vector)"
+    )
+    token_group: int = Field(
+        64, ge=1, description="tokens of a tier that share one scale/zero per channel (channel scales)"
     )
     tiers: list[Tier] = Field(min_length=1, description="most significant first")
 
@@ -96,9 +107,11 @@ class Policy(BaseModel):
         bits: list[int | None],
         head_dim: int,
         fractions: list[float] | None = None,
+        scales: tuple[Scales, Scales] = ("token", "token"),
         **kw,
     ) -> Policy:
-        """Tiers whose average key rank is about ``rank_budget * head_dim`` (see the module docstring)."""
+        """Tiers whose average key rank is about ``rank_budget * head_dim`` (see the module docstring), every
+        tier with key and value ``scales``."""
         if not 0 < rank_budget <= 1:
             raise ValueError(f"rank budget {rank_budget} is out of range; to resolve, pass a value in (0, 1]")
         if not 1 <= len(bits) <= len(RANK_MULTIPLIERS) + 1:
@@ -120,7 +133,14 @@ class Policy(BaseModel):
             base = rest / sum(f * m for f, m in zip(fractions[1:], mults, strict=True))
             ranks += [_round8(base * m, head_dim) for m in mults]
         tiers = [
-            Tier(k_rank=r, v_rank=_round8(V_RANK_FACTOR * r, head_dim), bits=b, fraction=f)
+            Tier(
+                k_rank=r,
+                v_rank=_round8(V_RANK_FACTOR * r, head_dim),
+                bits=b,
+                fraction=f,
+                k_scales=scales[0],
+                v_scales=scales[1],
+            )
             for r, b, f in zip(ranks, bits, fractions, strict=True)
         ]
         return cls(tiers=tiers, **kw)
@@ -131,18 +151,41 @@ class Policy(BaseModel):
         bounds[-1] = n
         return [bounds[i + 1] - bounds[i] for i in range(len(self.tiers))]
 
+    def token_group_of(self, scales: Scales) -> int | None:
+        """The ``token_group`` a ``quantize`` call takes for ``scales`` (None: per-token scales)."""
+        return self.token_group if scales == "channel" else None
+
+    @property
+    def tier_id_bits(self) -> int:
+        """Bits of a compressed token's tier id (packed ``8 // tier_id_bits`` a byte; none for one tier)."""
+        n = len(self.tiers)
+        return 0 if n == 1 else 2 if n <= 4 else 8
+
     def compressed_bytes_per_token(self, float_bytes: int) -> float:
-        """Average bytes one compressed token costs per KV head (K + V coefficients + its tier id)."""
+        """Average bytes one compressed token costs per KV head: K + V coefficients, their scales (channel
+        scales amortized over full groups of ``token_group`` tokens) and its packed tier id."""
         per = [
-            bytes_per_vector(t.k_rank, t.bits, self.group_size, float_bytes)
-            + bytes_per_vector(t.v_rank, t.bits, self.group_size, float_bytes)
+            bytes_per_vector(t.k_rank, t.bits, self.group_size, float_bytes, self.token_group_of(t.k_scales))
+            + bytes_per_vector(
+                t.v_rank, t.bits, self.group_size, float_bytes, self.token_group_of(t.v_scales)
+            )
             for t in self.tiers
         ]
-        return sum(t.fraction * p for t, p in zip(self.tiers, per, strict=True)) + 1
+        return sum(t.fraction * p for t, p in zip(self.tiers, per, strict=True)) + self.tier_id_bits / 8
 
     def describe(self) -> str:
-        tiers = ", ".join(f"{t.fraction:.0%}@r{t.k_rank}/{t.v_rank}x{t.bits or 'f'}b" for t in self.tiers)
+        tiers = ", ".join(
+            f"{t.fraction:.0%}@r{t.k_rank}/{t.v_rank}x{t.bits or 'f'}b{_scales_tag(t)}" for t in self.tiers
+        )
         return f"sinks={self.sinks} window={self.window} [{tiers}]"
+
+
+def _scales_tag(tier: Tier) -> str:
+    """``""`` for per-token scales of both K and V, else e.g. ``"[K ch, V tok]"``."""
+    if tier.k_scales == tier.v_scales == "token":
+        return ""
+    short = {"token": "tok", "channel": "ch"}
+    return f"[K {short[tier.k_scales]}, V {short[tier.v_scales]}]"
 
 
 def _round8(rank: float, head_dim: int) -> int:
