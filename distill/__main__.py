@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import sys
 
-from toolkit.cliargs import ArgumentParser, add_model, run
+from toolkit.cliargs import ArgumentParser, run
 
 # what `python -m distill X` runs as `swiftkv X` (``accelerate launch -m distill sweep ...`` runs a sweep on
 # every process)
 SUBCOMMANDS = ("check", "sweep", "diagnose")
-EPILOG = """examples:
-  swiftkv distill recipes/swiftkv_smollm2_cpu.yaml train.max_steps=50 output_dir=out/x
-  swiftkv check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
+EPILOG = """examples (recipes and configs by file or by shipped name: `swiftkv recipes`):
+  swiftkv distill swiftkv_smollm2_cpu train.max_steps=50 output_dir=out/x
+  swiftkv check swiftkv_llama3.1_8b --config accelerate/8gpu_zero2
   swiftkv sweep MODEL --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
-  accelerate launch --config_file recipes/accelerate/cpu_2proc_zero2.yaml -m distill recipes/swiftkv_smollm2_cpu.yaml
-  accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill recipes/swiftkv_llama3.1_8b.yaml
+  accelerate launch --config_file "$(swiftkv recipes path accelerate/cpu_2proc_zero2)" -m distill swiftkv_smollm2_cpu
+  accelerate launch --config_file "$(swiftkv recipes path accelerate/8gpu_zero2)" -m distill swiftkv_llama3.1_8b
 """
 
 
@@ -28,7 +28,7 @@ def build_parser() -> ArgumentParser:
         "`swiftkv sweep --help` to choose the fraction).",
         epilog=EPILOG,
     )
-    add_model(parser, "recipe", help="YAML recipe")
+    parser.add_argument("recipe", help="YAML recipe: a file or a shipped name (`swiftkv recipes`)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=50")
     return parser
 
@@ -37,9 +37,10 @@ def _distill(args) -> str:
     from toolkit.checkpoint import open_checkpoint
 
     from .check import load_recipe_or_usage
+
+    recipe = load_recipe_or_usage(args.recipe, args.overrides)  # a file or a shipped name
     from .train import train
 
-    recipe = load_recipe_or_usage(args.recipe, args.overrides)
     open_checkpoint(recipe.model.source)  # a bad model is refused before any work (a Hub id is fetched here)
     return f"distilled model: {train(recipe)}"
 

@@ -26,15 +26,16 @@ from toolkit.cliargs import ArgumentParser, UsageError, add_limit, existing_path
 from .budget import DEFAULT_TFLOPS, plan_budget
 from .memory import GB, Batch, Parallel, Params, activations, comm_buffers, lstsq_init, model_states
 from .recipe import Recipe, RecipeError, load_recipe
+from .shipped import find
 
 RESERVE = 0.10  # share of each GPU kept for the CUDA context, NCCL buffers and allocator fragmentation
 EPILOG = """examples:
-  swiftkv check recipes/swiftkv_llama3.1_8b.yaml --config recipes/accelerate/8gpu_zero2.yaml
-  swiftkv check recipes/swiftkv_llama3.3_70b.yaml --config recipes/accelerate/8gpu_zero3.yaml \\
+  swiftkv check swiftkv_llama3.1_8b --config accelerate/8gpu_zero2          # shipped names (`swiftkv recipes`)
+  swiftkv check swiftkv_llama3.3_70b --config accelerate/8gpu_zero3 \\
       --model-config /path/to/Llama-3.3-70B-Instruct/config.json --no-data
-  swiftkv check recipes/swiftkv_llama3.1_405b.yaml --config recipes/accelerate/128gpu_16nodes_zero3.yaml \\
-      --model-config recipes/model_configs/llama3.1_405b/config.json --no-data --sample-tokens 1000 --tflops 300
-  swiftkv check recipes/swiftkv_smollm2_cpu.yaml data.seq_len=1024 --gpu-memory 24
+  swiftkv check swiftkv_llama3.1_405b --config accelerate/128gpu_16nodes_zero3 \\
+      --model-config model_configs/llama3.1_405b --no-data --sample-tokens 1000 --tflops 300
+  swiftkv check my_recipe.yaml data.seq_len=1024 --gpu-memory 24                # a file
 """
 
 
@@ -51,14 +52,15 @@ def build_parser() -> ArgumentParser:
         description="Validate a distillation recipe, its data and its per-GPU memory plan (no weights loaded).",
         epilog=EPILOG,
     )
-    parser.add_argument("recipe", type=existing_path, help="YAML recipe")
+    parser.add_argument("recipe", help="YAML recipe: a file or a shipped name (`swiftkv recipes`)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.seq_len=4096")
-    parser.add_argument("--config", type=existing_path, help="accelerate config YAML (default: one process)")
+    parser.add_argument(
+        "--config", help="accelerate config YAML: a file or a shipped name (default: one process)"
+    )
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GB per GPU (default: 80)")
     parser.add_argument(
         "--model-config",
-        type=existing_path,
-        help="config.json to use when model.source is not on this machine",
+        help="config.json to use when model.source is not on this machine: a file or a shipped name",
     )
     parser.add_argument("--tokenizer", type=existing_path, help="tokenizer folder (default: the model's)")
     parser.add_argument("--no-data", action="store_true", help="skip reading rows of the data sources")
@@ -83,8 +85,10 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def load_recipe_or_usage(path: Path, overrides: list[str]) -> Recipe:
-    """``load_recipe`` with every problem on one line, as the CLIs report bad input."""
+def load_recipe_or_usage(path: str | Path, overrides: list[str]) -> Recipe:
+    """``load_recipe`` of a recipe file or a shipped recipe's name (``distill.shipped.find``) with every problem
+    on one line, as the CLIs report bad input."""
+    path = find(path, "recipe")
     try:
         return load_recipe(path, overrides)
     except RecipeError as e:
@@ -165,12 +169,7 @@ def parallel_plan(path: Path | None) -> Parallel:
     ds_cfg = cfg.get("deepspeed_config") or {}
     ds_file = ds_cfg.get("deepspeed_config_file")
     if ds_file:
-        ds_path = Path(ds_file)
-        if not ds_path.is_file():
-            raise UsageError(
-                f"{path}: deepspeed_config_file {ds_file} not found "
-                "(to resolve, run from the folder it is relative to, or fix the path)"
-            )
+        ds_path = find(ds_file, "DeepSpeed config")  # a shipped config names recipes/deepspeed/NAME.json
         try:
             ds = json.loads(ds_path.read_text())
         except json.JSONDecodeError as e:
@@ -405,6 +404,9 @@ def format_budget(
 
 def check(args) -> None:
     recipe = load_recipe_or_usage(args.recipe, args.overrides)
+    for name, kind in (("config", "accelerate config"), ("model_config", "model config")):
+        if getattr(args, name) is not None:
+            setattr(args, name, find(getattr(args, name), kind))
     source = None
     if args.model_config is None:
         source = open_source(recipe, tokenizer=args.tokenizer is None and not args.no_data)

@@ -46,7 +46,7 @@ from .objective import agreement_metrics, metrics_from_sums, served_positions
 
 EPILOG = """examples:
   swiftkv diagnose out/distill/smollm2-swiftkv50/model --out out/diagnose50
-  swiftkv diagnose out/x/converted --recipe recipes/swiftkv_smollm2_cpu.yaml --block-layers 5 --out out/d
+  swiftkv diagnose out/x/converted --recipe swiftkv_smollm2_cpu --block-layers 5 --out out/d
   swiftkv diagnose out/distill/smollm2-swiftkv50/model --exact-kv 32 --out out/exact50
 """
 

@@ -8,7 +8,6 @@ from small registries (schedules, data formats, trainable sets).
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from pathlib import Path
 from typing import Literal
@@ -18,26 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .comm import CommConfig
 from .scar.config import ScarConfig
-
-# the shipped recipes: recipes/ of the repository, package data of distill (so a non-editable install has them)
-SHIPPED_RECIPES = Path(str(importlib.resources.files("distill") / "recipes"))
-
-
-def recipe_path(recipe: str | Path) -> Path:
-    """A recipe file: an existing path, else the name of a shipped one (``.yaml`` optional); every caller (the
-    main job, ``distill sweep``) looks recipes up here."""
-    from toolkit.cliargs import UsageError
-
-    path = Path(recipe).expanduser()
-    if path.is_file():
-        return path
-    name = path.name if path.suffix else f"{path.name}.yaml"
-    if (SHIPPED_RECIPES / name).is_file() and path.parent == Path("."):
-        return SHIPPED_RECIPES / name
-    shipped = ", ".join(sorted(p.name for p in SHIPPED_RECIPES.glob("*.yaml")))
-    raise UsageError(
-        f"recipe {recipe} not found (to resolve, pass a recipe file or a shipped one: {shipped})"
-    )
 
 
 class _Section(BaseModel):

@@ -24,14 +24,15 @@ from swiftkv.flops import Shape, ideal_prefill_speedup, kv_bytes_per_token
 from toolkit.artifacts import save_figure, write_json_atomic, write_text_atomic
 from toolkit.cliargs import ArgumentParser, UsageError, add_model, add_out, float_list, run
 
-from .recipe import SHIPPED_RECIPES, Recipe, SwiftKVOptions, recipe_path
+from .recipe import Recipe, SwiftKVOptions
+from .shipped import SHIPPED, find
 
-RECIPE = SHIPPED_RECIPES / "swiftkv_smollm2_cpu.yaml"
+RECIPE = SHIPPED / "swiftkv_smollm2_cpu.yaml"
 EPILOG = """examples:
   swiftkv sweep ~/.cache/swiftkv-toolkit/models/smollm2-135m-instruct \\
       --fractions 0.2,0.3,0.4,0.5,0.6 --budget-tokens 20480 --max-kl 0.2 --out out/sweep
-  accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill sweep MODEL \\
-      --recipe recipes/swiftkv_llama3.1_8b.yaml --fractions 0.25,0.375,0.5 --budget-tokens 50000000 --out sweep/
+  accelerate launch --config_file "$(swiftkv recipes path accelerate/8gpu_zero2)" -m distill sweep MODEL \\
+      --recipe swiftkv_llama3.1_8b --fractions 0.25,0.375,0.5 --budget-tokens 50000000 --out sweep/
 """
 
 
@@ -222,7 +223,7 @@ def sweep(
         raise UsageError(
             f"--max-kl {max_kl} / --max-ppl-ratio {max_ppl_ratio} (to resolve, pass positive limits)"
         )
-    model, out, recipe_file = Path(model).expanduser(), Path(out), recipe_path(recipe)
+    model, out, recipe_file = Path(model).expanduser(), Path(out), find(recipe, "recipe")
     config = read_config(model)
     if "num_key_value_layers" in config:
         raise UsageError(f"{model} is already a SwiftKV checkpoint (to resolve, pass its base model)")

@@ -55,6 +55,7 @@ from .elastic import Resume, ResumeError, elastic_checkpoint, fresh, plan, world
 from .local import distill_locally
 from .objective import DistillationObjective, metrics_from_sums
 from .recipe import Recipe
+from .shipped import deepspeed_config
 
 _RESUME_FIELDS = ("model", "data", "loss", "optim", "comm")
 _RESUME_TRAIN_FIELDS = ("micro_batch_size", "grad_accum", "trainable", "lora", "seed")
@@ -333,6 +334,10 @@ def setup(recipe: Recipe) -> Run:
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cpu_multi = multi and not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):  # before the Accelerator reads it
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = deepspeed_config(
+            os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+        )
     group = InitProcessGroupKwargs(
         # long enough for the main process to tokenize the data while the other ranks wait at a barrier
         backend="gloo" if cpu_multi else "nccl",

@@ -4,6 +4,7 @@ over the eval functions."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from toolkit.cliargs import (
     ArgumentParser,
@@ -20,7 +21,7 @@ from toolkit.cliargs import (
 
 EPILOG = """examples:
   swiftkv run --quick                           # the main job: convert -> distill -> evaluate -> report
-  swiftkv run MODEL --recipe swiftkv_llama3.1_8b.yaml --device auto --dtype bfloat16 --out out/mine
+  swiftkv run MODEL --recipe swiftkv_llama3.1_8b --device auto --dtype bfloat16 --out out/mine
   swiftkv tasks --out out/tasks                 # write the offline ShareGPT tasks for lm-eval
   swiftkv harness out/smollm2-swiftkv50 --tasks sharegpt_ppl,sharegpt_mc --tasks-dir out/tasks
   lm_eval --model hf --model_args pretrained=out/smollm2-swiftkv50,trust_remote_code=True \\
@@ -71,9 +72,9 @@ def build_parser() -> ArgumentParser:
     )
     job.add_argument(
         "--launch",
-        type=existing_path,
-        help="accelerate config: run each distillation under `accelerate launch` (e.g. all 8 GPUs) "
-        "instead of in this process",
+        type=Path,
+        help="accelerate config, a file or a shipped name (`swiftkv recipes`): run each distillation under "
+        "`accelerate launch` (e.g. all 8 GPUs) instead of in this process",
     )
     add_placement(job, batch_size=None)
     add_out(job, help="run folder (default out/demo, out/demo-quick with --quick)", required=False)

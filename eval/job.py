@@ -17,8 +17,9 @@ presets (``job_config`` applies a user's choices to one of them).  For each Swif
 then measures every checkpoint: quality against its own teacher (``eval.quality``; it also writes the numbers
 into each SwiftKV folder's model card), prefill and decode speed (``eval.speed``) and lm-eval tasks
 (``eval.harness``).  The model is the embedded SmolLM2-135M-Instruct unless one is named (a folder or a Hub
-id, checked by ``toolkit.checkpoint``); the recipe is a shipped one (``distill.recipe.recipe_path``) or a
-path.  ``device`` and ``dtype`` place the evaluation stages; the distillation runs as its recipe says.
+id, checked by ``toolkit.checkpoint``); the recipe and the ``launch`` accelerate config are files or shipped
+names (``distill.shipped.find``).  ``device`` and ``dtype`` place the evaluation stages; the distillation runs as
+its recipe says.
 
 ``run.json``: ``{"meta": {model, machine, threads, device, dtype, date, prefill_lengths, seconds, quick},
 "commands": [the commands that reproduce each stage], "variants": [{name, dir, num_layers, swiftkv_layers,
@@ -38,13 +39,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DEFAULT_RECIPE = "swiftkv_smollm2_cpu.yaml"
 QUALITY_ARGS = ("n_conversations", "seq_len", "n_prompts", "max_new_tokens")
-LAUNCH_EXAMPLE = "recipes/accelerate/8gpu_zero2.yaml"
 JOB_EPILOG = """examples:
   swiftkv run                 # SmolLM2-135M-Instruct, SwiftKV 25% and 50%, ~30 min on 2 cores
   swiftkv run --quick         # tiny settings (a few minutes; the tests run this)
   swiftkv run --out out/demo --fractions 0.5 --distill-steps 60
-  swiftkv run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b.yaml --fractions 0.5 \\
-      --launch recipes/accelerate/8gpu_zero2.yaml --device auto --dtype bfloat16 --out out/llama8b
+  swiftkv run meta-llama/Llama-3.1-8B-Instruct --recipe swiftkv_llama3.1_8b --fractions 0.5 \\
+      --launch accelerate/8gpu_zero2 --device auto --dtype bfloat16 --out out/llama8b
 """
 
 
@@ -213,11 +213,10 @@ def run_job(config: JobConfig = FULL) -> Path:
     import torch
 
     from distill.check import load_recipe_or_usage
-    from distill.recipe import recipe_path
+    from distill.shipped import find
     from toolkit.artifacts import read_provenance
     from toolkit.assets import fetch_model, fetch_sharegpt
     from toolkit.checkpoint import open_checkpoint
-    from toolkit.cliargs import UsageError
     from toolkit.stages import run_stage
 
     from .harness import run_harness
@@ -226,11 +225,9 @@ def run_job(config: JobConfig = FULL) -> Path:
     from .tasks import write_tasks
 
     check_placement(config.device, config.dtype)
-    if config.launch is not None and not config.launch.is_file():
-        raise UsageError(
-            f"accelerate config {config.launch} not found (to resolve, pass a file such as {LAUNCH_EXAMPLE})"
-        )
-    recipe_file = recipe_path(config.recipe)
+    if config.launch is not None:  # a file or a shipped name, launched as the file it resolves to
+        config = config.model_copy(update={"launch": find(config.launch, "accelerate config")})
+    recipe_file = find(config.recipe, "recipe")
     recipe = load_recipe_or_usage(recipe_file, config.distill_overrides)  # refused before any work
     source = open_checkpoint(config.model) if config.model is not None else None
     run_dir = config.run_dir

@@ -6,7 +6,8 @@ imports only the one command it runs and ``swiftkv --help`` lists all of them wi
 command with sub-commands of its own (``kvcompress``, ``suffix``, ``ranking``, ``certaindex``) takes them after
 its name, e.g. ``swiftkv ranking train``.
 
-Distillation on several processes keeps accelerate's own launcher: ``accelerate launch -m distill RECIPE``.
+Distillation on several processes keeps accelerate's own launcher: ``accelerate launch --config_file "$(swiftkv
+recipes path accelerate/8gpu_zero2)" -m distill RECIPE`` (a shipped config by name, ``distill.shipped``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ SECTIONS: tuple[tuple[str, tuple[Command, ...]], ...] = (
     (
         "distillation (distill)",
         (
+            Command(
+                "recipes", "distill.shipped:main", "the shipped recipes and launcher configs: ls | path | cp"
+            ),
             Command("distill", "distill.__main__:main", "distill a SwiftKV student with a YAML recipe"),
             Command("check", "distill.check:main", "a recipe's model, data and memory plan, before any work"),
             Command(
@@ -102,6 +106,26 @@ SECTIONS: tuple[tuple[str, tuple[Command, ...]], ...] = (
                 "output-length ranker and its proxy in front of vLLM",
             ),
             Command("certaindex", "eval.serving.certaindex.cli:main", "early exit of reasoning by certainty"),
+            Command(
+                "check-vllm-api",
+                "eval.serving.vllm.api_check:main",
+                "check a vLLM source tree for every name the plugin uses",
+            ),
+        ),
+    ),
+    (
+        "on a GPU (eval, eval.serving)",
+        (
+            Command(
+                "gpu-check",
+                "eval.gpu_check:main",
+                "the transformers path and the vLLM plugin on one GPU: one verdict",
+            ),
+            Command(
+                "gpu-check-vllm",
+                "eval.serving.vllm.gpu_check:main",
+                "the vLLM plugin's rows alone, run in the serving environment",
+            ),
         ),
     ),
 )
@@ -116,13 +140,13 @@ def usage() -> str:
     ]
     for section, commands in SECTIONS:
         lines += ["", f"{section}:"]
-        lines += [f"  {c.name:<12}{c.help}" for c in commands]
+        lines += [f"  {c.name:<16}{c.help}" for c in commands]
     lines += [
         "",
         "examples:",
         "  swiftkv run --quick                      # the main job on the embedded default, in minutes",
         "  swiftkv convert MODEL out/x --swiftkv-fraction 0.5 && swiftkv info out/x",
-        "  accelerate launch --config_file recipes/accelerate/8gpu_zero2.yaml -m distill RECIPE.yaml",
+        '  accelerate launch --config_file "$(swiftkv recipes path accelerate/8gpu_zero2)" -m distill RECIPE',
     ]
     return "\n".join(lines)
 

@@ -18,10 +18,10 @@ from toolkit.cliargs import (
 )
 
 EPILOG = """examples:
-  swiftkv cluster plan recipes/cluster/cluster.yaml recipes/cluster/jobs.yaml --out plan.json
+  swiftkv cluster plan cluster/cluster cluster/jobs --out plan.json        # shipped names (`swiftkv recipes`)
   swiftkv cluster launch-configs plan.json --out launch/
-  swiftkv cluster trace recipes/cluster/cluster.yaml --out trace.csv --limit 160 --hours 8 --seed 0
-  swiftkv cluster simulate recipes/cluster/cluster.yaml trace.csv --policy sia,gavel,fifo \\
+  swiftkv cluster trace cluster/cluster --out trace.csv --limit 160 --hours 8 --seed 0
+  swiftkv cluster simulate cluster/cluster trace.csv --policy sia,gavel,fifo \\
       --round 60 --out sim/
 """
 
@@ -107,8 +107,12 @@ def build_parser() -> ArgumentParser:
     for name, (func, text) in commands.items():
         p[name] = sub.add_parser(name, help=text, description=text)
         p[name].set_defaults(func=func)
-    add_model(p["plan"], "cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory)")
-    add_model(p["plan"], "jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement)")
+    p["plan"].add_argument(
+        "cluster", help="cluster.yaml (GPU types, nodes, GPUs per node, memory), or a shipped name"
+    )
+    p["plan"].add_argument(
+        "jobs", help="jobs.yaml (recipes, model sizes, measured throughputs, placement), or a shipped name"
+    )
     add_out(p["plan"], "plan.json", help="plan JSON to write (default plan.json)")
     p["plan"].add_argument(
         "--explore", type=int, default=2, help="max GPUs = this x largest measured (default 2)"
@@ -117,12 +121,12 @@ def build_parser() -> ArgumentParser:
     add_model(p["launch-configs"], "plan", help="plan.json written by `plan`")
     add_out(p["launch-configs"], help="output folder (one sub-folder per job)")
     add_force(p["launch-configs"])
-    add_model(p["trace"], "cluster", help="cluster.yaml (type names and tflops)")
+    p["trace"].add_argument("cluster", help="cluster.yaml (type names and tflops), or a shipped name")
     add_out(p["trace"], help="trace CSV to write")
     add_limit(p["trace"], 160, "number of jobs")
     p["trace"].add_argument("--hours", type=float, default=8.0, help="arrival window (default 8)")
     add_seed(p["trace"])
-    add_model(p["simulate"], "cluster", help="cluster.yaml")
+    p["simulate"].add_argument("cluster", help="cluster.yaml, or a shipped name")
     add_model(p["simulate"], "trace", help="trace CSV (from `trace`)")
     p["simulate"].add_argument("--policy", default="sia,gavel,fifo", help="comma-separated: sia, gavel, fifo")
     p["simulate"].add_argument("--round", type=float, default=60.0, help="round length, s (default 60)")

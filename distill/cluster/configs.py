@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 from .spec import Cluster, GpuType, Job
 
@@ -66,9 +65,10 @@ def config_for(cluster: Cluster, gpu_type: str, gpus: int) -> Config:
 def _recipe_and_config(recipe_path: str, config_json: str | None) -> tuple:
     """The job's recipe and its model's config.json, read once (the same reads as ``distill check``)."""
     from ..check import load_recipe_or_usage, model_config_of
+    from ..shipped import find
 
-    recipe = load_recipe_or_usage(Path(recipe_path), [])
-    return recipe, model_config_of(recipe, None if config_json is None else Path(config_json))
+    recipe = load_recipe_or_usage(recipe_path, [])  # a file or a shipped name, as every command takes one
+    return recipe, model_config_of(recipe, None if config_json is None else find(config_json, "model config"))
 
 
 def memory_per_gpu_gb(job: Job, gpus: int, zero_stage: int) -> float:

@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..shipped import find
+
 
 def _require_unique(names: list[str], what: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -199,12 +201,14 @@ def _load(path: Path | str, model: type[BaseModel], what: str) -> BaseModel:
 
 
 def load_cluster(path: Path | str) -> Cluster:
-    """Read and validate ``cluster.yaml``."""
-    return _load(path, Cluster, "cluster")  # type: ignore[return-value]
+    """Read and validate ``cluster.yaml`` (a file or a shipped name, ``distill.shipped``)."""
+    return _load(find(path, "cluster file"), Cluster, "cluster")  # type: ignore[return-value]
 
 
 def load_jobs(path: Path | str, cluster: Cluster) -> JobList:
-    """Read ``jobs.yaml`` and check that every GPU type it names exists in ``cluster``."""
+    """Read ``jobs.yaml`` (a file or a shipped name) and check that every GPU type it names exists in
+    ``cluster``."""
+    path = find(path, "cluster file")
     jobs: JobList = _load(path, JobList, "jobs")  # type: ignore[assignment]
     valid = {t.name for t in cluster.gpu_types}
     owner: dict[tuple[str, int, int], str] = {}

@@ -22,7 +22,7 @@ from helpers import ROOT
 from helpers.chat import save_chat_model
 from huggingface_hub import ModelCard
 
-from distill.recipe import SHIPPED_RECIPES
+from distill.shipped import SHIPPED
 from eval.cli import main
 from eval.job import DEFAULT_RECIPE, QUICK
 
@@ -95,6 +95,40 @@ def test_quick_job_from_the_installed_package_then_resume_from_the_checkout(smol
     )
     module, recipes = where.stdout.split()
     assert module.startswith(str(tmp_path / "venv")) and Path(recipes, "swiftkv_smollm2_cpu.yaml").is_file()
+    # the checks the docs tell a user to run are commands of the installed package
+    for command in ("gpu-check", "gpu-check-vllm", "check-vllm-api"):
+        helped = subprocess.run(
+            [python.parent / "swiftkv", command, "--help"],
+            capture_output=True,
+            text=True,
+            cwd=elsewhere,
+            env=ENV,
+        )
+        assert helped.returncode == 0 and helped.stdout.startswith(f"usage: swiftkv {command} "), (
+            helped.stderr
+        )
+    # shipped recipes and configs by name, outside the checkout: the installed files
+    outputs = []
+    for argv, expected in (
+        (["recipes", "path", "accelerate/8gpu_zero2"], "8gpu_zero2.yaml"),
+        (["recipes", "cp", "swiftkv_smollm2_cpu", "mine.yaml"], "copied swiftkv_smollm2_cpu to mine.yaml"),
+        (["check", "swiftkv_llama3.1_8b", "--config", "accelerate/8gpu_zero3_offload", "--model-config",
+          "model_configs/llama3.1_8b", "--no-data"], "8 process(es), DeepSpeed ZeRO-3"),  # its DeepSpeed JSON too
+    ):  # fmt: skip
+        named = subprocess.run(
+            [python.parent / "swiftkv", *argv], capture_output=True, text=True, cwd=elsewhere, env=ENV
+        )
+        assert named.returncode == 0 and expected in named.stdout, named.stderr[-2000:]
+        outputs.append(named.stdout)
+    assert Path(outputs[0].strip()).is_relative_to((tmp_path / "venv").resolve())
+    shipped = Path(recipes, "swiftkv_smollm2_cpu.yaml")
+    assert (elsewhere / "mine.yaml").read_bytes() == shipped.read_bytes()
+    # `swiftkv distill NAME` loads the installed recipe (refused here on an override, before any work)
+    refused = subprocess.run(
+        [python.parent / "swiftkv", "distill", "swiftkv_smollm2_cpu", "train.max_step=1"],
+        capture_output=True, text=True, cwd=elsewhere, env=ENV,
+    )  # fmt: skip
+    assert refused.returncode == 2 and f"recipe {shipped}: train.max_step" in refused.stderr, refused.stderr
 
     args = ["run", "--quick", "--out", str(tmp_path / "run")]
     first = subprocess.run(
@@ -228,7 +262,7 @@ def test_job_on_a_hub_id_launched_and_evaluated_in_bfloat16(sharegpt, hub, tmp_p
 def test_a_failed_launch_ends_in_one_line_below_the_distillations_own(sharegpt, tmp_path, capfd):
     recipe, launch = tmp_path / "powersgd.yaml", tmp_path / "one_process.yaml"
     # a DDP hook on one process: the launched distillation refuses it in one line, before any work
-    recipe.write_text((SHIPPED_RECIPES / DEFAULT_RECIPE).read_text() + "comm: {hook: powersgd}\n")
+    recipe.write_text((SHIPPED / DEFAULT_RECIPE).read_text() + "comm: {hook: powersgd}\n")
     launch.write_text(ONE_PROCESS)
     model, out = save_chat_model(tmp_path / "tiny"), tmp_path / "run"
     argv = ["run", str(model), "--quick", "--recipe", str(recipe), "--launch", str(launch), "--out", str(out)]

@@ -1,11 +1,11 @@
 """What the tests of several rooms share, imported by name (``from helpers.models import tiny_base``; pytest puts
 ``tests/`` on ``sys.path``, ``pythonpath`` in pyproject.toml).  ``tests/conftest.py`` holds only fixtures and
-hooks.  Nothing here imports pytest at module level, so scripts may use these modules too
-(``scripts/gpu_check.py`` builds the tests' byte-level tokenizer).
+hooks.  Nothing here imports pytest at module level, so scripts may use these modules too.
 
 - ``ci``: the CI=true rules (which skips CI allows, where the vLLM venv lives) that conftest enforces
 - ``models``: tiny random base models, in-memory SwiftKV students, batches and the teacher-student KL
-- ``chat``: a tiny chat checkpoint laid out as a Hub download, byte- and word-level tokenizers, conversations
+- ``chat``: a tiny chat checkpoint laid out as a Hub download, byte- (``toolkit.tokenizer``) and word-level
+  tokenizers, conversations
 - ``hub``: a local Hugging Face cache written with huggingface_hub's own functions (offline Hub ids)
 - ``reference``: the independent SwiftKV student written from the formulas
 - ``students``: the students the equivalence tests compare with it (every family, group size and attention

@@ -1,22 +1,17 @@
 """Chats without an asset: a tiny random chat checkpoint laid out as a Hub download is (weights, config, a
-byte-level tokenizer with a ChatML template: any text tokenizes; a card with licence metadata and licence
+byte-level tokenizer with a ChatML template, ``toolkit.tokenizer``: any text tokenizes; a card with licence metadata and licence
 files), a word-level tokenizer, and short ShareGPT-format conversations."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from helpers.models import tiny_base
+from toolkit.tokenizer import VOCAB, byte_tokenizer
 
-SPECIALS = ["<pad>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1, 2: TINY's pad, eos and bos
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-VOCAB = len(SPECIALS) + 256
 CARD = """---
 license: llama3.1
 base_model: meta-llama/Llama-3.1-8B
@@ -26,21 +21,6 @@ base_model: meta-llama/Llama-3.1-8B
 The base model's own card, which a derivative must not copy.
 """
 LICENCES = {"LICENSE": "TINY COMMUNITY LICENSE\n", "USE_POLICY.md": "# Acceptable use\n"}
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE without merges: one token per byte, the ChatML specials and template."""
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<|im_start|>"
-    )
-    fast.chat_template = CHATML
-    return fast
 
 
 def save_chat_model(path: Path, family: str = "llama", card: bool = True, **overrides) -> Path:

@@ -54,6 +54,7 @@ CASES = [
         for cmd in ("cot", "sc", "calibrate")
     ],
     ("eval.serving.certaindex.cli", ["serve", MISSING]),
+    ("eval.serving.vllm.api_check", [MISSING]),
 ]
 
 # scripts/*.py with an input path, loaded with runpy (they are files, not an importable package)

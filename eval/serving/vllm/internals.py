@@ -4,8 +4,8 @@ vLLM's model-side building blocks (layers, the compile decorators, the forward c
 not a stable API: a minor release can move or rename them.  The plugin imports them from here only, and
 ``USED`` lists each one with the parameters or members the plugin relies on, so that a vLLM upgrade is checked
 name by name: ``tests/eval/serving/vllm/test_plugin.py`` resolves every entry in the installed vLLM, and
-``scripts/check_vllm_api.py`` reads another vLLM's Python sources (no import, so a CUDA wheel can be checked on
-a CPU machine).  The tested range is stated in docs/serving.md.
+``swiftkv check-vllm-api`` (``eval.serving.vllm.api_check``) reads another vLLM's Python sources (no import, so a
+CUDA wheel can be checked on a CPU machine).  The tested range is stated in docs/serving.md.
 
 Importing this module imports vLLM's model stack, so only the model module (``llama.py``) imports it.  The few
 names the registration needs (``MODELS_CONFIG_MAP``, ``InputProcessor``, ``VLLMValidationError``) are imported

@@ -988,9 +988,9 @@ def test_exact_kv_attention_takes_queries_as_vllms_attention_layer_does(vllm_pyt
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_internals_resolve_in_the_installed_vllm(vllm_python, tmp_path):
-    """Every name in ``internals.USED`` imports from the installed vLLM, and ``scripts/check_vllm_api.py`` finds
+    """Every name in ``internals.USED`` imports from the installed vLLM, and ``swiftkv check-vllm-api`` finds
     each with the parameters or members the plugin relies on (the check docs/serving.md records for vLLM 0.33);
-    the script reports a renamed function and a renamed parameter in a copy of that tree."""
+    the command reports a renamed function and a renamed parameter in a copy of that tree."""
     proc = run_in_vllm_venv(
         """
         import importlib, json
@@ -1009,7 +1009,7 @@ def test_vllm_internals_resolve_in_the_installed_vllm(vllm_python, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
     (installed,) = VLLM_PYTHON.parents[1].glob("lib/python*/site-packages/vllm")
-    check = [sys.executable, str(ROOT / "scripts" / "check_vllm_api.py")]
+    check = [sys.executable, "-m", "toolkit", "check-vllm-api"]
     ok = subprocess.run([*check, str(installed)], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout
     copy = tmp_path / "vllm"

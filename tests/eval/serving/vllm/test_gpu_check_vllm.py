@@ -1,6 +1,6 @@
-"""scripts/gpu_check.py --tiny: the GPU check's own code, run on the CPU with a tiny config, end to end; its
-verdict is never ``ok`` for what did not run (a CPU run, a step past the budget, a vLLM part not run), and on a
-machine without a GPU it says so in one line with a status of its own."""
+"""``swiftkv gpu-check-vllm`` (``eval.serving.vllm.gpu_check``): the vLLM plugin's GPU check, its row logic without
+vLLM (the plan, the verdict, vLLM's capture sizes and scheduler in miniature, the comparisons) and its rows on
+vLLM's CPU build; ``swiftkv gpu-check``, which runs it: tests/eval/test_gpu_check.py."""
 
 from __future__ import annotations
 
@@ -9,219 +9,18 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import ROOT
 
-
-def run_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
-    out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--tiny", "--out", str(out), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    return result, json.loads(out.read_text()) if out.is_file() else None
-
-
-@pytest.mark.slow
-def test_tiny_run_reports_every_check(tmp_path):
-    result, report = run_check(tmp_path, "--compile-backend", "none", "--lengths", "32,64")
-    assert result.returncode == 3, result.stderr[-3000:]  # incomplete: the vLLM part never runs on --tiny
-    assert report["verdict"] == "incomplete" and report["skipped"] == []
-    assert report["meta"]["variants"] == {"swiftkv25": 6, "swiftkv50": 4}  # of 8 layers
-    models = ["original", "swiftkv25", "swiftkv50"]
-
-    prefill = report["prefill"]
-    assert [(r["length"], r["model"]) for r in prefill] == [(n, m) for n in (32, 64) for m in models]
-    for r in prefill:
-        assert len(r["times_s"]) == 3 and r["median_s"] > 0 and r["peak_memory_bytes"] is None  # CPU
-        assert r["ideal"] == 1.0 if r["model"] == "original" else 1.0 < r["ideal"] < 2.0
-        assert r["speedup"] == pytest.approx(r["of_ideal"] * r["ideal"])
-
-    parity = {(r["model"], r["backend"]): r for r in report["attention_parity"]}
-    assert set(parity) == {(m, b) for m in models for b in ("eager", "flash_attention_2")}
-    for m in models:
-        assert parity[m, "eager"]["status"] == "ok" and parity[m, "eager"]["rel_max_diff"] < 1e-4
-        assert parity[m, "flash_attention_2"]["status"] == "not installed"  # CPU: flash never loads
-
-    static = report["static_compile_parity"]
-    assert [r["model"] for r in static] == ["swiftkv25", "swiftkv50", "original"]  # the control last
-    for r in static:
-        assert r["status"] == "ok" and r["static"] == r["dynamic"] and len(r["dynamic"]) == 16
-    assert "peak_bytes" in report["memory"] and set(report["meta"]["step_s"]) == {
-        "build",
-        "attention_parity",
-        "static_compile_parity",
-        "prefill",
-        "eval_quality",
-    }
-    fp32, bf16 = report["eval_quality"]  # eval quality on the device (the CPU here) in both dtypes
-    assert (fp32["dtype"], bf16["dtype"], bf16["device"], bf16["status"]) == (
-        "float32",
-        "bfloat16",
-        "cpu",
-        "ok",
-    )
-    assert fp32["tokens"] == bf16["tokens"] > 0 and abs(bf16["kl"] - fp32["kl"]) <= 0.01
-    assert "| 64 | swiftkv50 |" in result.stdout  # the table
-    assert report["vllm"] == {"status": "skipped", "reason": "--tiny (CPU)", "verdict": "incomplete"}
-    assert "verdict: incomplete" in result.stdout
-
-
-@pytest.mark.slow
-def test_time_budget_skips_what_would_not_fit(tmp_path):
-    result, report = run_check(tmp_path, "--compile-backend", "none", "--budget-s", "0", "--lengths", "32")
-    assert result.returncode == 3 and report["verdict"] == "incomplete", result.stderr[-3000:]
-    skipped = [s["step"] for s in report["skipped"]]
-    assert "prefill 32" in skipped and "static+compile parity swiftkv50" in skipped
-    assert report["prefill"] == [] and all(
-        s["reason"].startswith("past the 0 s budget") for s in report["skipped"]
-    )
-    assert "skipped prefill 32: past the 0 s budget" in result.stdout
-
-
-def load_script(name: str):
-    """A script of scripts/ as a module (scripts/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-# A serving environment's python in miniature: the probe of gpu_check.py gets FAKE_PROBE (default: CUDA and vLLM
-# there), gpu_check_vllm.py (its arguments: SCRIPT --out OUT ...) does what FAKE_CHILD says
-FAKE_PYTHON = """#!/bin/bash
-if [ "$1" = "-c" ]; then
-    if [ -n "$FAKE_PROBE" ]; then echo "$FAKE_PROBE"; else echo '{"cuda": true, "vllm": true}'; fi
-    exit 0
-fi
-case "$FAKE_CHILD" in
-    refuse) echo "error: the reference is stale (to resolve, use another python)" >&2; exit 2 ;;
-    nogpu) echo "no GPU: no CUDA device is visible, nothing was checked (to resolve, ...)" >&2; exit 4 ;;
-    ok) echo '{"verdict": "ok", "rows": [], "tolerances": null, "elapsed_s": 1.0}' > "$3"; exit 0 ;;
-    *) exit 1 ;;
-esac
-"""
-
-
-@pytest.fixture
-def serving_python(tmp_path) -> str:
-    path = tmp_path / "serving-python"
-    path.write_text(FAKE_PYTHON)
-    path.chmod(0o755)
-    return str(path)
-
-
-def run_vllm_only(
-    tmp_path: Path, serving_python: str, child: str
-) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--vllm-python", serving_python,
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FAKE_CHILD": child}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300), out
-
-
-@pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU"
-)
-def test_vllm_only_without_a_gpu_is_one_line_and_its_own_status(tmp_path):
-    """``--vllm only`` where neither this interpreter nor the serving one sees a GPU (this venv has no vLLM
-    either): one line, the no-GPU status, no report."""
-    out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--vllm", "only", "--out", str(out)]
-    result = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert result.returncode == 4 and result.stdout == "" and not out.exists(), result.stderr[-3000:]
-    assert result.stderr.startswith("no GPU: no CUDA device is visible, nothing was checked (to resolve, ")
-    assert result.stderr.count("\n") == 1
-
-
-def test_vllm_only_passes_on_the_serving_check_and_its_refusals(tmp_path, serving_python):
-    """``--vllm only --vllm-python`` runs gpu_check_vllm.py there with this interpreter as the transformers
-    reference: its refusal to start (exit 2, its one line) is a setup error with the same status and no other
-    output, its no-GPU status stays 4, a report gives the verdict, and an exit without a report is a FAIL."""
-    refused, out = run_vllm_only(tmp_path, serving_python, "refuse")
-    assert refused.returncode == 2 and not out.exists(), refused.stderr[-3000:]
-    assert refused.stderr == "error: the reference is stale (to resolve, use another python)\n"
-    assert refused.stdout == ""
-    no_gpu, out = run_vllm_only(tmp_path, serving_python, "nogpu")
-    assert no_gpu.returncode == 4 and no_gpu.stderr.startswith("no GPU: ") and no_gpu.stderr.count("\n") == 1
-    ok, out = run_vllm_only(tmp_path, serving_python, "ok")
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["verdict"] == "ok" and report["vllm"]["status"] == "ran" and "verdict: ok" in ok.stdout
-    crashed, out = run_vllm_only(tmp_path, serving_python, "crash")
-    assert crashed.returncode == 1 and "vLLM section FAIL: gpu_check_vllm.py exited 1 without a report" in (
-        crashed.stdout
-    )
-
-
-def test_vllm_setup_is_decided_before_any_work(monkeypatch, tmp_path, serving_python):
-    """Which interpreter runs what: the probe of the serving python (CUDA, vLLM) and of this one (the reference)
-    decide, in one line, no GPU (4) or a setup error (2) naming --vllm-python; under ``--vllm auto`` a setup
-    problem makes the section a setup error and the verdict incomplete, not FAIL."""
-    check = load_script("gpu_check")
-    here = check.probe_python(sys.executable)  # this venv: no vLLM (it lives in .venv-vllm)
-    assert here["vllm"].startswith("ModuleNotFoundError") and isinstance(here["cuda"], bool)
-    assert "error" in check.probe_python(str(tmp_path / "missing-python"))
-    ready = {"cuda": True, "vllm": True}
-    assert check.setup_problem(ready, False, "P", None) is None  # the serving env sees the GPU: enough
-    code, line = check.setup_problem({"cuda": False, "vllm": True}, False, "P", None)
-    assert code == 4 and line.startswith(
-        "no GPU: no CUDA device is visible, nothing was checked (to resolve, "
-    )
-    code, line = check.setup_problem({**ready, "vllm": here["vllm"]}, True, "P", None)
-    assert code == 2 and line.startswith("error: vLLM is not importable for P (ModuleNotFoundError")
-    assert "(to resolve, pass --vllm-python with the python of the serving environment" in line
-    code, line = check.setup_problem({"error": "OSError: no such file"}, True, "P", None)
-    assert code == 2 and line.startswith("error: --vllm-python P does not run (OSError: no such file)")
-    code, line = check.setup_problem(ready, True, "P", "transformers 5.19.0 (this package needs >=5.24)")
-    assert code == 2 and "cannot run the transformers reference: transformers 5.19.0" in line
-    assert "\n" not in line
-
-    args = SimpleNamespace(vllm="auto", tiny=False, vllm_python=serving_python, out=tmp_path / "g.json",
-                           vllm_budget_s=60.0)  # fmt: skip
-    monkeypatch.setenv("FAKE_PROBE", json.dumps({"cuda": True, "vllm": here["vllm"]}))
-    section = check.vllm_section(args)
-    assert section["status"] == "setup error" and section["reason"].startswith("vLLM is not importable for ")
-    report = {"attention_parity": [], "static_compile_parity": [], "eval_quality": [], "skipped": [],
-              "vllm": section}  # fmt: skip
-    assert check.verdict(report) == "incomplete"
-    monkeypatch.delenv("FAKE_PROBE")
-    monkeypatch.setenv("FAKE_CHILD", "refuse")
-    section = check.vllm_section(args)
-    assert (section["status"], section["verdict"], section["exit"]) == ("setup error", "incomplete", 2)
-    assert check.verdict({**report, "vllm": section}) == "incomplete"
-
-
-@pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU"
-)
-def test_no_gpu_is_one_line_and_its_own_status(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 4 and result.stdout == "" and not out.exists()
-    assert result.stderr.startswith("no GPU: no CUDA device is visible, nothing was checked (to resolve, ")
-    assert result.stderr.count("\n") == 1
-
-
-# -- scripts/gpu_check_vllm.py: the row logic, without vLLM ----------------------------------------------------
-def vllm_check():
-    return load_script("gpu_check_vllm")
+import eval.serving.vllm.gpu_check as check
 
 
 def test_vllm_rows_run_the_control_first_then_in_order_of_value():
     """The control sets every tolerance, so it runs first: a budget that cuts the run short still judges the rows
     before the cut; each row names the model runner it checks."""
-    check = vllm_check()
     names = [r.name for r in check.plan()]
     assert names[:4] == ["control", "swiftkv50", "swiftkv50_g2", "swiftkv50_exact"]
     assert len(set(names)) == len(names)
@@ -248,7 +47,6 @@ def ran(name: str, engines: float = 0.0, reference: float | None = 0.0, **extra)
 
 
 def test_vllm_verdict_uses_the_controls_spread_and_is_never_ok_with_a_row_not_run():
-    check = vllm_check()
     control = ran("control", engines=0.01, reference=0.03)
     status, tol = check.verdict([ran("a", 0.025, 0.08), dict(control)])
     assert status == "ok" and tol == {"engines": pytest.approx(0.03), "reference": pytest.approx(0.09)}
@@ -270,7 +68,6 @@ def test_vllm_fp8_rows_are_labelled_consistency_only_and_rows_fail_on_another_ru
     """A row without the transformers reference (the FP8 KV cache: transformers keeps K/V unquantized) passes on
     its twin alone, which runs the same FP8 code: the verdict names it "consistency only".  A row that ran on
     another model runner than it names fails (it did not check what it claims); a CPU run expects none."""
-    check = vllm_check()
     control = ran("control", engines=0.01, reference=0.03)
     fp8 = ran("swiftkv50-fp8", reference=None)
     rows = [dict(control), ran("swiftkv50"), fp8]
@@ -290,7 +87,6 @@ def test_vllm_fp8_rows_are_labelled_consistency_only_and_rows_fail_on_another_ru
 
 def test_vllm_runner_version_from_the_runner_classes_modules():
     """V1 and V2 by where vLLM 0.32/0.33 define their runners (GPU and CPU builds), unknown otherwise."""
-    check = vllm_check()
     v1 = ["vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.lora_model_runner_mixin", "builtins"]
     assert check.runner_version(v1) == "V1"
     assert (
@@ -311,7 +107,6 @@ def test_vllm_runner_version_from_the_runner_classes_modules():
 def test_vllm_engines_start_in_a_clean_environment():
     """Only the allowlist passes from the user's shell (paths, caches, the device, vLLM's CPU-build settings):
     a VLLM_* or SWIFTKV_* left there cannot change what a row checks; the row's own env comes last."""
-    check = vllm_check()
     shell = {
         "PATH": "/bin", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/hf", "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_BATCH_INVARIANT": "1",
@@ -339,7 +134,6 @@ VLLM_CAPTURE_SIZES = {
 
 
 def test_vllm_capture_sizes_follow_vllms_rule():
-    check = vllm_check()
     for (seqs, tokens, drafts), (v2, v1) in VLLM_CAPTURE_SIZES.items():
         assert check.capture_sizes(seqs, tokens, drafts) == v2
         assert check.capture_sizes(seqs, tokens, drafts, v1=True) == v1
@@ -385,7 +179,6 @@ def test_vllm_capture_sizes_are_vllms(vllm_python):
 def test_vllm_steps_follow_the_scheduler():
     """Requests submitted together: one prefill step while they fit the budget and max_num_seqs, then decode
     steps; a prompt past the budget is chunked beside the running decodes; prefix hits shorten the prefill."""
-    check = vllm_check()
     assert check.schedule([5, 12], [0, 0], 3, 32, 2048) == [[(5, True), (12, True)], [(1, False)] * 2,
                                                            [(1, False)] * 2]  # fmt: skip
     assert check.schedule([3000], [0], 2, 32, 2048) == [[(2048, True)], [(952, True)], [(1, False)]]
@@ -400,7 +193,6 @@ def test_vllm_short_pass_makes_every_compiled_row_replay_piecewise_graphs_on_gat
     max_num_seqs 32), so its decode stack runs without graphs, and decode steps replay FULL graphs the counter never
     sees: 11 of the 15 compiled SwiftKV rows would fail on a correct plugin.  The short pass's one prefill step (54
     tokens) fits, and each of those rows' counters sees a piecewise graph on gathered rows, at a captured size."""
-    check = vllm_check()
     compiled = [r for r in check.plan() if check.graphs_expected(r, r.engine, cpu=False)]
     assert len(compiled) == 15 and "control" not in {r.name for r in compiled}
     before = {r.name for r in compiled if not check.simulate_counter(r, ("batch", "again", "long")).get(
@@ -426,7 +218,6 @@ def test_vllm_short_pass_makes_every_compiled_row_replay_piecewise_graphs_on_gat
 
 
 def test_vllm_rows_stop_at_the_budget_by_their_estimates():
-    check = vllm_check()
     now = [0.0]
 
     def serve(row):
@@ -440,7 +231,6 @@ def test_vllm_rows_stop_at_the_budget_by_their_estimates():
 
 
 def test_vllm_comparisons_follow_greedy_prefixes_and_near_ties():
-    check = vllm_check()
 
     def request(tokens, logprobs, top2):
         return {"tokens": tokens, "logprobs": logprobs, "top2": top2}
@@ -476,7 +266,8 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     out = tmp_path / "check.json"
     cmd = [
         vllm_python,
-        "scripts/gpu_check_vllm.py",
+        "-m",
+        check.MODULE,
         "--cpu",
         "--rows",
         "swiftkv50_exact,control",
@@ -499,12 +290,12 @@ def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     assert "verdict: incomplete" in result.stdout
     if not torch.cuda.is_available():
         refused = subprocess.run(
-            [vllm_python, "scripts/gpu_check_vllm.py"], cwd=ROOT, capture_output=True, text=True, env=env
+            [vllm_python, "-m", check.MODULE], cwd=ROOT, capture_output=True, text=True, env=env
         )
         assert refused.returncode == 4 and refused.stderr.startswith("no GPU: no CUDA device is visible")
     # vLLM's own transformers is older than this package's: the reference there is refused before any work
     stale = subprocess.run(
-        [vllm_python, "scripts/gpu_check_vllm.py", "--cpu", "--reference-python", str(vllm_python)],
+        [vllm_python, "-m", check.MODULE, "--cpu", "--reference-python", str(vllm_python)],
         cwd=ROOT, capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert stale.returncode == 2 and "this package needs" in stale.stderr and stale.stderr.count("\n") == 1
@@ -530,7 +321,6 @@ def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_row
     """A SwiftKV row whose compiled fast-prefill engine never ran its decode stack on gathered rows under a captured
     piecewise graph fails (graphs on gathered rows are the speed SwiftKV is served for); the control (vLLM's own
     Llama, no decode stack) and a CPU run (no graphs at all) are not asked for them."""
-    check = vllm_check()
     rows = {r.name: r for r in check.plan()}
     n = sum(map(len, check.workload(check.TINY["vocab_size"]).values()))
     monkeypatch.setattr(
@@ -565,9 +355,15 @@ def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_row
 
 
 def test_vllm_long_context_pass_is_at_least_4k_tokens_and_fits_the_engine():
-    check = vllm_check()
     long = check.long_prompt(check.TINY["vocab_size"])
     assert len(long) >= 4096 and len(long) > check.CHUNK  # chunked prefill over more than one step
     drafts = check.NGRAM["num_speculative_tokens"]
     assert check.ENGINE["max_model_len"] >= len(long) + check.MAX_TOKENS + drafts
     assert check.TINY["max_position_embeddings"] >= check.ENGINE["max_model_len"]
+
+
+def test_unknown_rows_are_refused_in_one_line_before_any_work(capsys):
+    assert check.main(["--rows", "control,no-such-row", "--cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: unknown rows no-such-row (to resolve, pick from control, swiftkv50, ")

@@ -1,4 +1,4 @@
-"""The SwiftKV vLLM plugin on one GPU: a verdict a user can trust before serving a SwiftKV checkpoint.
+"""``swiftkv gpu-check-vllm``: the SwiftKV vLLM plugin on one GPU, a verdict a user can trust before serving a SwiftKV checkpoint.
 
 vLLM replays CUDA graphs on the memory they were captured with, GPUs use vLLM's V2 model runner by default, and
 neither runs on the CPU machines this toolkit is tested on, so this one command decides on a user's GPU what the
@@ -41,15 +41,16 @@ workload and the transformers reference; 16 rows make 24 minutes (estimated), an
 thirds more.  Every row records its wall times, so the first real run shows how far off the estimates are.  The
 plugin supports vLLM 0.32 and 0.33 (``SUPPORTED_VLLM``); the report records the version that ran.
 
-Run from the serving environment (vLLM and this package installed); ``scripts/gpu_check.py`` calls it.  The
-transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the transformers
-this package pins: vLLM often pins an older one, so point it at the environment where this package is installed
-with its dependencies (``scripts/gpu_check.py`` passes its own).  ``--cpu`` runs the same rows on vLLM's CPU build
+Run from the serving environment (vLLM and this package installed there with ``pip install --no-deps``): it
+imports only what the plugin needs (vLLM, torch, transformers and ``swiftkv``); ``swiftkv gpu-check`` runs it
+there.  The transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the
+transformers this package pins: vLLM often pins an older one, so point it at the environment where this package is
+installed with its dependencies (``swiftkv gpu-check`` passes its own).  ``--cpu`` runs the same rows on vLLM's CPU build
 (fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
 
-    python scripts/gpu_check_vllm.py --reference-python .venv/bin/python --out gpu_check_vllm.json
-    python scripts/gpu_check_vllm.py --cpu --rows swiftkv50,control --reference-python .venv/bin/python \\
-        --out /tmp/check.json   # what a test runs
+    python -m eval.serving.vllm.gpu_check --reference-python .venv/bin/python --out gpu_check_vllm.json
+    swiftkv gpu-check-vllm --cpu --rows swiftkv50,control --reference-python .venv/bin/python \\
+        --out /tmp/check.json   # what a test runs (the same command)
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from toolkit.cliargs import ArgumentParser, UsageError
+
+# how the children start (``python -m``: ``__name__`` is ``__main__`` there)
+MODULE = "eval.serving.vllm.gpu_check"
+# the folder this package is imported from (a checkout or site-packages): the engines import the same code
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 TINY = dict(
     vocab_size=512,
@@ -410,12 +415,12 @@ def serve(model: str, engine: dict, long: bool = True) -> dict:
 
 def engine_environment(shell: dict[str, str], env: dict[str, str]) -> dict[str, str]:
     """A child engine's environment: the allowed variables of ``shell`` (``ENGINE_ENVIRONMENT``), this check's own
-    settings (the engine in the child's process, this checkout importable, no network: the checkpoints are local),
+    settings (the engine in the child's process, this package's files importable, no network: the checkpoints are local),
     then the row's ``env``."""
     kept = {
         k: v for k, v in shell.items() if k in ENGINE_ENVIRONMENT or k.startswith(ENGINE_ENVIRONMENT_PREFIXES)
     }
-    own = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    own = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(PACKAGE_ROOT), "HF_HUB_OFFLINE": "1"}
     return {**kept, **own, **env}
 
 
@@ -425,7 +430,7 @@ def run_engine(model: Path, engine: dict, env: dict, tmp: Path, timeout_s: float
     out = tmp / f"engine-{time.monotonic_ns()}.json"
     child_env = engine_environment(dict(os.environ), env)
     spec = json.dumps({"model": str(model), "long": long, **engine})
-    cmd = [sys.executable, __file__, "--engine", spec, "--out", str(out)]
+    cmd = [sys.executable, "-m", MODULE, "--engine", spec, "--out", str(out)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s)
@@ -500,7 +505,7 @@ def run_reference(
     job, out = tmp / "reference_in.json", tmp / "reference_out.json"
     job.write_text(json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK}))
     out.unlink(missing_ok=True)
-    cmd = [python, str(Path(__file__).resolve()), "--reference", str(job), "--out", str(out)]
+    cmd = [python, "-m", MODULE, "--reference", str(job), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -707,10 +712,6 @@ def served_row(
 def check(budget_s: float, cpu: bool, names: list[str] | None, reference_python: str) -> dict:
     rows = plan()
     if names is not None:
-        unknown = sorted(set(names) - {r.name for r in rows})
-        if unknown:
-            raise SystemExit(f"error: unknown rows {', '.join(unknown)} (to resolve, pick from "
-                             f"{', '.join(r.name for r in rows)})")  # fmt: skip
         rows = [r for r in rows if r.name in names]
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -760,7 +761,7 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="swiftkv gpu-check-vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("out/gpu_check_vllm.json"))
     parser.add_argument(
         "--budget-s", type=float, default=2400.0, help="no row starts that would end past this"
@@ -779,7 +780,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine, in a child process
     parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)  # internal: the reference, likewise
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+        unknown = sorted(set(args.rows or ()) - {r.name for r in plan()})
+        if unknown:
+            raise UsageError(
+                f"unknown rows {', '.join(unknown)} (to resolve, pick from {', '.join(r.name for r in plan())})"
+            )
+    except SystemExit as e:  # --help (0) or a usage error already printed (2)
+        return int(e.code or 0)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.engine:
         engine = json.loads(args.engine)
         args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))

@@ -1,26 +1,28 @@
-"""Check a vLLM source tree for every internal name the SwiftKV plugin uses, without importing it.
+"""``swiftkv check-vllm-api``: check a vLLM source tree for every internal name the SwiftKV plugin uses, without
+importing it.
 
-Reads ``USED`` from ``eval/serving/vllm/internals.py`` (as data) and, for each ``module:qualname``, looks the
+Reads ``USED`` from ``eval/serving/vllm/internals.py`` (as data, beside this module) and, for each ``module:qualname``, looks the
 definition up in the tree's Python files: a function must take the listed parameters; a class must have each
 listed member as an ``__init__`` parameter, a class-level name or field, a method, or a ``self.<name>``
 assignment, in the class or a base class it imports from the tree.  Importing is not needed, so the CUDA wheel
 users install (``pip download --no-deps vllm==X``, then unzip its ``vllm/*.py``) is checked on any machine.
 
-    python scripts/check_vllm_api.py .venv-vllm/lib/python3.11/site-packages/vllm
-    python scripts/check_vllm_api.py /tmp/vllm-0.33/vllm --out report.json
+    swiftkv check-vllm-api .venv-vllm/lib/python3.11/site-packages/vllm
+    swiftkv check-vllm-api /tmp/vllm-0.33/vllm --out report.json
 
 Prints one line per missing name and a summary; exit status 1 if anything is missing.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import sys
 from pathlib import Path
 
-INTERNALS = Path(__file__).resolve().parents[1] / "eval" / "serving" / "vllm" / "internals.py"
+from toolkit.cliargs import ArgumentParser
+
+INTERNALS = Path(__file__).with_name("internals.py")
 
 
 def used_names() -> dict[str, tuple[str, ...]]:
@@ -137,14 +139,17 @@ def check(root: Path) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
+        prog="swiftkv check-vllm-api",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python scripts/check_vllm_api.py .venv-vllm/lib/python3.11/site-packages/vllm",
+        epilog="example:\n  swiftkv check-vllm-api .venv-vllm/lib/python3.11/site-packages/vllm",
     )
     parser.add_argument("source", type=Path, help="the vllm package folder of a vLLM source tree or wheel")
     parser.add_argument("--out", type=Path, help="write the problems as JSON here")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error already printed (2)
+        return int(e.code or 0)
     if not (args.source / "__init__.py").is_file():
         print(f"error: {args.source} is not a vllm package folder (to resolve, pass the folder holding vllm's "
               "__init__.py)", file=sys.stderr)  # fmt: skip

@@ -1,8 +1,8 @@
-"""The SwiftKV transformers path on one GPU, in one command: prefill speed against the FLOP-ideal, attention
-backend parity, StaticCache + torch.compile parity and peak memory.
+"""``swiftkv gpu-check``: the SwiftKV transformers path on one GPU, in one command: prefill speed against the
+FLOP-ideal, attention backend parity, StaticCache + torch.compile parity and peak memory.
 
-Needs only torch and transformers (no network, no checkpoint): the repository root goes on ``sys.path`` and
-nothing beyond torch, transformers and the ``swiftkv`` package is imported.  The model is a random-weight
+Needs only the installed package (no network, no checkpoint, no checkout): nothing beyond torch, transformers and
+this package is imported.  The model is a random-weight
 Llama-3.1-8B shape in bf16, initialized directly on the GPU; the SwiftKV 25% and 50% variants are built in
 memory by ``swiftkv.convert.to_swiftkv``, which reuses the original's weights (one 16 GB copy plus the small
 new projections).  Checks, in this order:
@@ -18,19 +18,20 @@ new projections).  Checks, in this order:
    prompt; the SwiftKV models first, the original last as the control;
 4. ``eval quality`` on the device (``eval.quality.evaluate_quality``, which also imports ``distill``'s data
    and objective modules: "not installed" where their dependencies are missing): a tiny random SwiftKV
-   checkpoint with the tests' byte-level chat tokenizer (``tests/helpers/chat.py``) on conversations written
+   checkpoint with a byte-level chat tokenizer built offline (``toolkit.tokenizer``) on conversations written
    here, in bfloat16 against float32: KL within 0.01 and top-1 agreement within 0.05 of each other.
 
-5. the vLLM plugin (``scripts/gpu_check_vllm.py``): per-token log-probabilities with vLLM's defaults against
+5. the vLLM plugin (``eval.serving.vllm.gpu_check``): per-token log-probabilities with vLLM's defaults against
    fast prefill off and against transformers, row by row, the control first (its docstring; about 25 minutes,
    estimated: no GPU run yet); ``--vllm only`` runs just this part, ``--vllm skip`` says it is not wanted (a
    transformers-only machine).  Rows judged only against an engine running the same code (the FP8 KV cache)
    are named "consistency only" beside the verdict.
 
-vLLM pins an older transformers than this package, so two environments take part: this script runs in the
-package's own (its transformers part, and the transformers reference of the vLLM rows), and the vLLM part runs
-in the serving environment given as ``--vllm-python`` (a venv with ``pip install vllm``, then this package with
-``pip install --no-deps .``, which registers the plugin; docs/serving.md).  Before any work, ``--vllm only``
+vLLM pins an older transformers than this package, so two environments take part: this command runs in the
+package's own (its transformers part, and the transformers reference of the vLLM rows), and the vLLM part
+(``python -m eval.serving.vllm.gpu_check``, also ``swiftkv gpu-check-vllm``) runs in the serving environment
+given as ``--vllm-python`` (a venv with ``pip install vllm``, then this package with ``pip install --no-deps .``,
+which registers the plugin; docs/serving.md).  Before any work, ``--vllm only``
 refuses in one line a ``--vllm-python`` without vLLM, and this interpreter where it cannot run the reference
 (exit 2); under ``--vllm auto`` the same makes the vLLM section a setup error and the verdict ``incomplete``.
 
@@ -42,14 +43,13 @@ skip``); a missing flash_attn is reported, not counted.  Exit status 0 ok, 1 FAI
 incomplete, 4 no CUDA GPU (one line, nothing run).  ``--tiny`` runs the same code on the CPU with a tiny config
 in seconds (what the tests run; its verdict is at best incomplete: the vLLM part does not run).
 
-    python scripts/gpu_check.py --vllm-python ~/serve/bin/python --out gpu_check.json
-    python scripts/gpu_check.py --vllm only --vllm-python ~/serve/bin/python --out gpu_check.json
-    python scripts/gpu_check.py --tiny --compile-backend none --out /tmp/gpu_check.json   # what the test runs
+    swiftkv gpu-check --vllm-python ~/serve/bin/python --out gpu_check.json
+    swiftkv gpu-check --vllm only --vllm-python ~/serve/bin/python --out gpu_check.json
+    swiftkv gpu-check --tiny --compile-backend none --out /tmp/gpu_check.json   # what the test runs
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -58,8 +58,6 @@ import time
 from pathlib import Path
 
 STARTED = time.monotonic()  # the budget counts the imports too
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -70,6 +68,8 @@ from swiftkv.convert import resolve_num_key_value_layers, to_swiftkv  # noqa: E4
 from swiftkv.flops import Shape, ideal_prefill_speedup  # noqa: E402
 from toolkit.artifacts import write_json_atomic  # noqa: E402
 from toolkit.cliargs import ArgumentParser, add_out, add_seed, int_list, run  # noqa: E402
+
+from .serving.vllm import gpu_check as vllm_check  # noqa: E402  (the vLLM part: no vLLM or torch at import)
 
 # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B), and a tiny config with the same structure
 LLAMA31_8B = dict(
@@ -332,11 +332,9 @@ def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
     if not clock.allows("eval quality"):
         return [{"status": "skipped (time budget)"}]
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from helpers.chat import byte_tokenizer
-
         from eval.quality import evaluate_quality
         from swiftkv.convert import save_pretrained_swiftkv
+        from toolkit.tokenizer import byte_tokenizer
     except ImportError as e:  # eval needs distill's dependencies (pydantic, numpy, ...) beside torch
         return [{"status": "not installed", "error": f"{type(e).__name__}: {e}"}]
     tokenizer = byte_tokenizer()
@@ -373,7 +371,7 @@ def eval_quality(device: torch.device, clock: Clock, seed: int) -> list[dict]:
 
 def print_report(report: dict) -> None:
     vllm = report["vllm"]
-    if vllm["status"] != "ran":  # when it ran, gpu_check_vllm.py printed its own table
+    if vllm["status"] != "ran":  # when it ran, the vLLM check printed its own table
         print(f"vLLM section {vllm['status']}: {vllm['reason']}")
     elif vllm.get("consistency_only"):
         names = ", ".join(vllm["consistency_only"])
@@ -416,7 +414,7 @@ def print_report(report: dict) -> None:
     print(f"elapsed {report['meta']['elapsed_s']:.0f} s; verdict: {report['verdict']}")
 
 
-# gpu_check_vllm.py's exit status when it refused to start, having said why in one line (else it reports)
+# the vLLM check's exit status when it refused to start, having said why in one line (else it reports)
 REFUSED = {2: "setup error", 4: "no GPU"}
 SERVING_ENV = (
     "pass --vllm-python with the python of the serving environment (a venv with `pip install vllm`, then this "
@@ -449,23 +447,13 @@ def probe_python(python: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def vllm_check_module():
-    """scripts/gpu_check_vllm.py as a module (not a package: loaded from its file), for its reference probe."""
-    spec = importlib.util.spec_from_file_location(
-        "gpu_check_vllm", Path(__file__).with_name("gpu_check_vllm.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def setup_problem(
     probe: dict, cuda_here: bool, vllm_python: str, reference: str | None
 ) -> tuple[int, str] | None:
     """Why the vLLM section cannot start, as (exit status, one line), or None.  ``probe``: what ``vllm_python``
     sees (``probe_python``); ``cuda_here``: whether this interpreter sees a CUDA device; ``reference``: why this
-    interpreter cannot run the transformers reference (``gpu_check_vllm.reference_unusable``), or None."""
+    interpreter cannot run the transformers reference (``eval.serving.vllm.gpu_check.reference_unusable``), or
+    None."""
     if not cuda_here and not probe.get("cuda"):
         return NO_GPU, ("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine "
                         "with the serving environment)")  # fmt: skip
@@ -481,7 +469,7 @@ def setup_problem(
         )
     if reference is not None:
         return 2, (f"error: {sys.executable} cannot run the transformers reference: {reference} (to resolve, run "
-                   "gpu_check.py with the python of the environment where this package is installed with its "
+                   "swiftkv gpu-check with the python of the environment where this package is installed with its "
                    "dependencies, and give the serving environment's as --vllm-python)")  # fmt: skip
     return None
 
@@ -491,13 +479,13 @@ def vllm_setup(args, cuda_here: bool) -> tuple[int, str] | None:
     probe = probe_python(args.vllm_python)
     reference = None
     if probe.get("vllm") is True:
-        reference = vllm_check_module().reference_unusable(sys.executable)
+        reference = vllm_check.reference_unusable(sys.executable)
     return setup_problem(probe, cuda_here, args.vllm_python, reference)
 
 
 def vllm_section(args) -> dict:
-    """``scripts/gpu_check_vllm.py`` in ``--vllm-python``: its report and verdict, or why it did not run (a
-    section not run leaves the verdict ``incomplete`` unless ``--vllm skip`` says it is not wanted).  A refusal
+    """The vLLM check (``python -m eval.serving.vllm.gpu_check``) in ``--vllm-python``: its report and verdict,
+    or why it did not run (a section not run leaves the verdict ``incomplete`` unless ``--vllm skip`` says it is not wanted).  A refusal
     to start (its exit 2 or 4, said in its own one line) is not a failure of the plugin: the section records its
     exit status (``exit``), which ``--vllm only`` exits with."""
     if args.vllm == "skip" or args.tiny:
@@ -517,11 +505,11 @@ def vllm_section(args) -> dict:
             }
     out = args.out.with_name(args.out.stem + "_vllm.json")
     out.unlink(missing_ok=True)
-    script = Path(__file__).with_name("gpu_check_vllm.py")
     proc = subprocess.run(
         [
             args.vllm_python,
-            str(script),
+            "-m",
+            vllm_check.__name__,
             "--out",
             str(out),
             "--budget-s",
@@ -531,7 +519,7 @@ def vllm_section(args) -> dict:
         ]  # fmt: skip  (the transformers reference: this environment)
     )
     if proc.returncode in REFUSED:
-        reason = f"gpu_check_vllm.py refused to start (exit {proc.returncode}; its line above says why)"
+        reason = f"the vLLM check refused to start (exit {proc.returncode}; its line above says why)"
         return {
             "status": REFUSED[proc.returncode],
             "reason": reason,
@@ -539,7 +527,7 @@ def vllm_section(args) -> dict:
             "exit": proc.returncode,
         }
     if not out.is_file():
-        reason = f"gpu_check_vllm.py exited {proc.returncode} without a report"
+        reason = f"the vLLM check exited {proc.returncode} without a report"
         return {"status": "FAIL", "reason": reason, "verdict": "FAIL"}
     return {"status": "ran", **json.loads(out.read_text())}
 
@@ -612,7 +600,7 @@ def check(args) -> dict:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="gpu_check.py", description=__doc__)
+    parser = ArgumentParser(prog="swiftkv gpu-check", description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (seconds)")
     parser.add_argument(
         "--lengths", type=int_list, default=None, help="prompt lengths (default 2k,8k,16k,32k)"
@@ -644,7 +632,7 @@ def build_parser() -> ArgumentParser:
         "--vllm-budget-s",
         type=float,
         default=2400.0,
-        help="the vLLM part's budget (gpu_check_vllm.py --budget-s)",
+        help="the vLLM part's budget (swiftkv gpu-check-vllm --budget-s)",
     )
     add_seed(parser)
     add_out(parser, "out/gpu_check.json")
@@ -661,9 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     def command(args):
         report = check(args)
         refused = report["vllm"].get("exit")
-        if (
-            args.vllm == "only" and refused is not None
-        ):  # gpu_check_vllm.py said why in one line: nothing to add
+        if args.vllm == "only" and refused is not None:  # the vLLM check said why in one line: nothing to add
             codes.append(refused)
             return None
         print_report(report)
@@ -672,7 +658,10 @@ def main(argv: list[str] | None = None) -> int:
         return f"wrote {args.out}"
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error already printed (2)
+        return int(e.code or 0)
     if args.vllm == "only" and not args.tiny:  # the serving environment decides whether a GPU is there
         problem = vllm_setup(args, torch.cuda.is_available())
         if problem is not None:
