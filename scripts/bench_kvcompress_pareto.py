@@ -8,19 +8,23 @@ command fixes both:
 1. factors are calibrated on --calibration-limit sequences of --max-length tokens of the train split's
    conversations into --factors (reused when it holds a calibration with the same settings; an interrupted
    calibration resumes);
-2. every method of --methods is measured on --limit held-out sequences of --prefix + --continuation tokens
-   (kvcompress.evaluate.quality, as scripts/bench_kvcompress.py does): perplexity increase over the full
-   cache on the continuation, and KV memory against fp16 at the end, exact K/V counted at 16 bits;
-3. OUT.json (everything), OUT.md (the table, Pareto-optimal rows and the verdict) and OUT.png (memory ratio
-   against perplexity increase, with the 9x and 3% target lines).
+2. every method of --methods is measured on two text sets of --prefix + --continuation tokens a sequence
+   (kvcompress.evaluate.measure_sequence): --limit held-out ShareGPT sequences, and --docs-limit sequences
+   of Python's standard-library documentation (a long-context text that is not chat: the module and member
+   docstrings of eval.prompt_heavy_data.STDLIB_MODULES, read by a fresh interpreter, joined in that order
+   and cut into sequences): perplexity increase over the full cache on the continuation, and KV memory
+   against fp16 at the end, exact K/V counted at 16 bits;
+3. every (set, sequence, method) result is appended to OUT.records.jsonl as soon as it is measured, and a
+   run skips what is there: a sweep longer than one sitting is split into runs of --budget-minutes (a run
+   starts no sequence it cannot finish in that time, by the last sequence's duration), the same command
+   each time;
+4. OUT.json (everything), OUT.md (per set: the table with bootstrap 95% intervals of the perplexity
+   increase, paired over sequences, the Pareto-optimal rows and the verdict) and OUT.png (memory ratio
+   against perplexity increase on ShareGPT, with the 9x and 3% target lines).
 
-The default sweep spans ~5x to ~11x at 4,352 tokens: rank budgets x bit mixes around the 9x point, two
-explicit tier mixes, and transformers' fp8 cache and per-token int4 as references.
-
-Run time with the defaults on the project's 2-core CPU, float32: ~30 min on an idle machine (calibration
-~1 min a 4,096-token sequence; per held-out sequence one ~30 s prefill, then ~20 s per TALE-family method
-(16 chunks over 4k tokens of tiers) and a few seconds each for full and fp8), about twice that when the
-machine is shared.  --limit 2 halves the sweep, --methods narrows it.
+Run time on the project's 2-core CPU, float32, 2 threads: calibration ~1 min a 4,096-token sequence; per
+sequence one ~20-30 s prefill, then ~15-20 s per TALE-family method (16 chunks over 4k tokens of tiers)
+and a few seconds each for full and fp8.
 
 examples:
   python scripts/bench_kvcompress_pareto.py MODEL --factors out/kv4k --out out/bench/kv_pareto
@@ -30,15 +34,19 @@ examples:
 
 from __future__ import annotations
 
+import json
+import math
+import random
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
 
 from kvcompress.cache import TaleCache
-from kvcompress.calibrate import calibrate
-from kvcompress.evaluate import make_method, quality
+from kvcompress.calibrate import calibrate, chat_sequences
+from kvcompress.evaluate import make_method, measure_sequence, summarize
 from kvcompress.factors import load_factors
 from toolkit.artifacts import read_provenance, save_figure, write_json_atomic, write_text_atomic
 from toolkit.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add_out, run
@@ -80,7 +88,22 @@ def build_parser() -> ArgumentParser:
         "--max-length", type=int, default=4096, help="tokens per calibration sequence: the served length"
     )
     p.add_argument("--methods", default=PARETO_METHODS, help="comma list, the reference (full) first")
-    add_limit(p, 4, "held-out sequences")
+    add_limit(p, 16, "held-out ShareGPT sequences")
+    p.add_argument(
+        "--docs-limit",
+        type=int,
+        default=8,
+        help="sequences of Python's standard-library documentation (default: 8)",
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=20.0,
+        help="start no sequence that would end past this many minutes; rerun the command to go on (default: 20)",
+    )
+    p.add_argument(
+        "--bootstrap", type=int, default=2000, help="bootstrap resamples of the sequences (default: 2000)"
+    )
     p.add_argument("--prefix", type=int, default=4096, help="prefilled tokens per sequence (default: 4096)")
     p.add_argument("--continuation", type=int, default=256, help="scored tokens per sequence (default: 256)")
     p.add_argument("--chunk", type=int, default=16, help="continuation tokens per forward (default: 16)")
@@ -154,15 +177,30 @@ def markdown(rows: dict[str, dict], policies: dict[str, str], front: set[str], h
     out = [
         header,
         "",
-        "| method | tiers | KV x smaller than fp16 | Δ perplexity | KL | top-1 | Pareto |",
+        "| method | tiers | KV x smaller than fp16 | Δ perplexity [95% CI] | KL | top-1 | Pareto |",
         "|---|---|---|---|---|---|---|",
     ]
     for m, r in sorted(rows.items(), key=lambda kv: kv[1]["ratio_vs_fp16"]):
+        lo, hi = r.get("ppl_increase_ci", (0.0, 0.0))
         out.append(
-            f"| `{m}` | {policies[m]} | {r['ratio_vs_fp16']:.2f}× | {r['ppl_increase_pct']:+.2f}% | "
-            f"{r['kl']:.4f} | {r['top1_agree']:.3f} | {'yes' if m in front else ''} |"
+            f"| `{m}` | {policies[m]} | {r['ratio_vs_fp16']:.2f}× | {r['ppl_increase_pct']:+.2f}% "
+            f"[{lo:+.2f}, {hi:+.2f}] | {r['kl']:.4f} | {r['top1_agree']:.3f} | {'yes' if m in front else ''} |"
         )
     return "\n".join([*out, "", line, ""])
+
+
+def bootstrap_interval(records: list[dict], method: str, reference: str, draws: int, seed: int = 0) -> tuple:
+    """95% percentile interval of the perplexity increase of ``method`` over ``reference``, resampling whole
+    sequences with replacement (both methods' tokens of a sequence stay paired)."""
+    seqs = [r for r in records if method in r and reference in r]
+    rng, deltas = random.Random(seed), []
+    for _ in range(draws):
+        pick = [rng.choice(seqs) for _ in seqs]
+        n = sum(r[method]["n"] for r in pick)
+        gap = sum(r[method]["nll"] - r[reference]["nll"] for r in pick) / n
+        deltas.append(100 * (math.exp(gap) - 1))
+    deltas.sort()
+    return deltas[int(0.025 * draws)], deltas[min(draws - 1, int(0.975 * draws))]
 
 
 def plot(rows: dict[str, dict], front: set[str], title: str, path: Path) -> None:
@@ -197,6 +235,70 @@ def plot(rows: dict[str, dict], front: set[str], title: str, path: Path) -> None
     save_figure(fig, path)
 
 
+def text_sets(tokenizer, args) -> dict[str, list[torch.Tensor]]:
+    """The evaluation texts, ``(1, prefix + continuation)`` token tensors per set name."""
+    length = args.prefix + args.continuation
+    sets = {"sharegpt": list(chat_sequences(tokenizer, length, args.limit, split="heldout"))}
+    if args.docs_limit:
+        from eval.prompt_heavy_data import STDLIB_MODULES, stdlib_texts
+
+        texts = stdlib_texts()
+        ids = tokenizer("\n\n".join(texts[m] for m in STDLIB_MODULES), add_special_tokens=False).input_ids
+        sets["stdlib"] = [
+            torch.tensor([ids[i : i + length]]) for i in range(0, len(ids) - length + 1, length)
+        ][: args.docs_limit]
+    for name, seqs in sets.items():
+        wanted = args.limit if name == "sharegpt" else args.docs_limit
+        if len(seqs) < wanted:
+            raise ValueError(
+                f"only {len(seqs)} {name} sequences of {length} tokens; to resolve, lower the limit"
+            )
+    return sets
+
+
+def read_records(path: Path) -> dict[tuple[str, int], dict]:
+    """``(set, sequence) -> {method: result}`` from the records file (JSON lines; absent: empty)."""
+    records: dict[tuple[str, int], dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            records.setdefault((row["set"], row["seq"]), {})[row["method"]] = row["result"]
+    return records
+
+
+def measure(model, factors, sets, methods: list[str], args, path: Path, progress) -> dict:
+    """Measure what ``path`` does not hold yet, appending each result; stop before a sequence that would end
+    past ``--budget-minutes``.  Returns all records."""
+    records, began, last = read_records(path), time.monotonic(), 0.0
+    for name, seqs in sets.items():
+        for i, ids in enumerate(seqs):
+            done = records.get((name, i), {})
+            todo = [m for m in methods if m not in done]
+            if not todo:
+                continue
+            if time.monotonic() - began + last > 60 * args.budget_minutes:
+                progress(f"budget of {args.budget_minutes:g} min reached: rerun the same command to go on")
+                return records
+            start = time.monotonic()
+            got = measure_sequence(
+                model,
+                ids,
+                factors,
+                [methods[0], *[m for m in todo if m != methods[0]]],
+                args.prefix,
+                args.chunk,
+                args.sinks,
+                args.window,
+            )
+            with path.open("a") as f:
+                for m in todo:
+                    f.write(json.dumps({"set": name, "seq": i, "method": m, "result": got[m]}) + "\n")
+            records.setdefault((name, i), {}).update({m: got[m] for m in todo})
+            last = time.monotonic() - start
+            progress(f"{name} sequence {i + 1}/{len(seqs)}: {len(todo)} methods in {last:.0f} s")
+    return records
+
+
 def pareto(args) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,42 +314,51 @@ def pareto(args) -> str:
     for m in methods:
         cache = make_method(m, model, factors, args.sinks, args.window)()
         policies[m] = (
-            cache.policy.describe().split(" [")[-1].rstrip("]") if isinstance(cache, TaleCache) else ""
+            cache.policy.describe().split(" [", 1)[-1].rsplit("]", 1)[0]
+            if isinstance(cache, TaleCache)
+            else ""
         )
-    rows = quality(
-        model,
-        tok,
-        factors,
-        methods,
-        args.limit,
-        args.prefix,
-        args.continuation,
-        args.chunk,
-        args.sinks,
-        args.window,
-        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-    )
-    front, line = pareto_front(rows), verdict(rows)
-    header = (
-        f"{Path(args.model).name}, {args.dtype}; factors from {provenance.get('samples')} x "
-        f"{provenance.get('max_length')} train-split tokens; {args.limit} held-out ShareGPT sequences of "
-        f"{args.prefix} + {args.continuation} tokens (chunks of {args.chunk}); memory at the end, exact K/V "
-        f"counted at 16 bits; sinks {args.sinks}, window {args.window}"
-    )
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sets = text_sets(tok, args)
+    progress = lambda line: print(f"  {line}", file=sys.stderr, flush=True)  # noqa: E731
+    records = measure(model, factors, sets, methods, args, out.with_suffix(".records.jsonl"), progress)
+    described = {
+        "sharegpt": f"{args.limit} held-out ShareGPT sequences",
+        "stdlib": f"{args.docs_limit} sequences of Python's standard-library documentation",
+    }
+    tables, report = [], {}
+    for name in sets:
+        held = [r for (s_, _), r in sorted(records.items()) if s_ == name]
+        rows = summarize(held, methods)
+        for m, r in rows.items():
+            r["ppl_increase_ci"] = bootstrap_interval(held, m, methods[0], args.bootstrap)
+        front, line = pareto_front(rows), verdict(rows)
+        header = (
+            f"{Path(args.model).name}, {args.dtype}; factors from {provenance.get('samples')} x "
+            f"{provenance.get('max_length')} train-split tokens; {described[name]} of {args.prefix} + "
+            f"{args.continuation} tokens (chunks of {args.chunk}; measured: "
+            f"{min((r['sequences'] for r in rows.values()), default=0)}); memory at the end, exact K/V counted at "
+            f"16 bits; sinks {args.sinks}, window {args.window}; 95% CI: bootstrap over sequences, paired"
+        )
+        report[name] = {
+            "rows": {m: {**r, "tiers": policies[m], "pareto": m in front} for m, r in rows.items()},
+            "verdict": line,
+        }
+        tables.append(markdown(rows, policies, front, f"### {name}\n\n{header}", line))
+        if name == "sharegpt":
+            plot(rows, front, header, out.with_suffix(".png"))
     write_json_atomic(
         out.with_suffix(".json"),
         {
             "args": vars(args),
             "calibration": provenance,
             "target": {"ratio_vs_fp16": TARGET_RATIO, "ppl_increase_pct": TARGET_PPL_PCT},
-            "rows": {m: {**r, "tiers": policies[m], "pareto": m in front} for m, r in rows.items()},
-            "verdict": line,
+            "sets": report,
         },
     )
-    table = markdown(rows, policies, front, header, line)
+    table = "\n".join(tables)
     write_text_atomic(out.with_suffix(".md"), table)
-    plot(rows, front, header, out.with_suffix(".png"))
     return f"{table}\nwrote {out.with_suffix('.json')}, .md, .png"
 
 

@@ -1,8 +1,11 @@
 """scripts/bench_kvcompress_pareto.py: the Pareto front, the verdict against the 9x / 3% target, and the three
-outputs from a table of rows (the measurement itself is kvcompress.evaluate.quality, tested with the cache)."""
+outputs from a table of rows, the bootstrap interval and the records a rerun resumes from (the measurement
+itself is kvcompress.evaluate.measure_sequence, tested with the cache)."""
 
 from __future__ import annotations
 
+import json
+import math
 import runpy
 
 from helpers import ROOT
@@ -34,6 +37,42 @@ def test_markdown_and_plot_are_written(tmp_path):
     table = rows(full=(1, 0), a=(8.4, 2.5), b=(9.6, 7.1))
     front = SCRIPT["pareto_front"](table)
     text = SCRIPT["markdown"](table, {"full": "", "a": "tiers a", "b": "tiers b"}, front, "header", "verdict")
-    assert text.splitlines()[4].startswith("| `full` |") and "| `b` | tiers b | 9.60× | +7.10% |" in text
+    assert text.splitlines()[4].startswith("| `full` |") and "| `b` | tiers b | 9.60× | +7.10% [" in text
     SCRIPT["plot"](table, front, "title", tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bootstrap_interval_is_paired_over_sequences():
+    """A method 1% worse on every token of every sequence gets [+1%, +1%] however different the sequences'
+    own perplexities are (pairing removes them); a mixed one gets an interval around its point estimate."""
+    seqs = [
+        {"full": {"nll": 10.0 * k, "n": 10}, "a": {"nll": 10.0 * k + 10 * math.log(1.01), "n": 10}}
+        for k in (1, 3, 5)
+    ]
+    lo, hi = SCRIPT["bootstrap_interval"](seqs, "a", "full", 200)
+    assert math.isclose(lo, 1.0, abs_tol=1e-6) and math.isclose(hi, 1.0, abs_tol=1e-6)
+    for r, gap in zip(seqs, (-0.5, 0.1, 1.0), strict=True):
+        r["b"] = {"nll": r["full"]["nll"] + gap, "n": 10}
+    lo, hi = SCRIPT["bootstrap_interval"](seqs, "b", "full", 500)
+    point = 100 * (math.exp(0.6 / 30) - 1)
+    assert (
+        lo < point < hi
+        and lo >= 100 * (math.exp(-0.05) - 1) - 1e-9
+        and hi <= 100 * (math.exp(0.1) - 1) + 1e-9
+    )
+
+
+def test_records_are_read_back_per_set_and_sequence(tmp_path):
+    path = tmp_path / "p.records.jsonl"
+    lines = [
+        {"set": "sharegpt", "seq": 0, "method": "full", "result": {"nll": 1.0}},
+        {"set": "sharegpt", "seq": 0, "method": "a", "result": {"nll": 2.0}},
+        {"set": "stdlib", "seq": 0, "method": "full", "result": {"nll": 3.0}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = SCRIPT["read_records"](path)
+    assert records == {
+        ("sharegpt", 0): {"full": {"nll": 1.0}, "a": {"nll": 2.0}},
+        ("stdlib", 0): {"full": {"nll": 3.0}},
+    }
+    assert SCRIPT["read_records"](tmp_path / "absent.jsonl") == {}
