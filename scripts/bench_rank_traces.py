@@ -67,7 +67,9 @@ def generate(
     meta = {**meta, "generation_s": 0.0, **(old or {})}
     done = len(done_rows(file))
     if [r["prompt"] for r in done_rows(file)] != [r["prompt"] for r in rows[:done]]:
-        raise ValueError(f"{file} holds other prompts than the source's first {done}; to resolve, use a new --out")
+        raise ValueError(
+            f"{file} holds other prompts than the source's first {done}; to resolve, use a new --out"
+        )
     start, slowest = clock(), 0.0
     with open(file, "a") as f:
         while done < len(rows) and clock() - start + slowest <= time_limit:
@@ -97,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk", type=int, default=256, help="prompts per engine call (one append each)")
-    p.add_argument("--time-limit", type=float, default=1500.0, help="seconds; no chunk starts that would pass it")
+    p.add_argument(
+        "--time-limit", type=float, default=1500.0, help="seconds; no chunk starts that would pass it"
+    )
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     args = p.parse_args(argv)
     source = args.prompts / "traces.jsonl" if args.prompts.is_dir() else args.prompts
     if not source.is_file() or not args.model.is_dir():
-        print(f"{source} or {args.model} not found; to resolve, pass a traces directory and a model", file=sys.stderr)
+        print(
+            f"{source} or {args.model} not found; to resolve, pass a traces directory and a model",
+            file=sys.stderr,
+        )
         return 2
     if min(args.limit, args.max_new_tokens, args.chunk) < 1 or args.time_limit <= 0:
         print("--limit, --max-new-tokens, --chunk and --time-limit must be positive", file=sys.stderr)

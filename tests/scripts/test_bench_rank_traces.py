@@ -36,7 +36,9 @@ def sampler(calls: list, clock: Clock | None = None):
 
 def test_resumes_within_the_time_limit_and_equals_one_run(tmp_path):
     calls, clock = [], Clock()
-    first = brt.generate(ROWS, tmp_path / "a", META, sampler(calls, clock), chunk=3, time_limit=25, clock=clock)
+    first = brt.generate(
+        ROWS, tmp_path / "a", META, sampler(calls, clock), chunk=3, time_limit=25, clock=clock
+    )
     assert calls == [(0, 3), (3, 3)] and first["done"] == 6 and not first["complete"]  # a third: 30 s > 25
     assert first["generation_s"] == 20
     with open(tmp_path / "a" / "traces.jsonl", "a") as f:

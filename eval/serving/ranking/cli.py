@@ -44,7 +44,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_parser() -> ArgumentParser:
-    from .proxy import CLIENT_TIMEOUT, MAX_CONNECTIONS
+    from .proxy import AGING_S, CLIENT_TIMEOUT, MAX_CONNECTIONS
     from .train import TrainConfig
 
     parser, sub = command_parser(
@@ -114,6 +114,13 @@ def build_parser() -> ArgumentParser:
         "--honour-client-priority",
         action="store_true",
         help="keep a priority the client sent (trusted clients only); by default the ranker's replaces it",
+    )
+    p.add_argument(
+        "--aging-s",
+        type=_non_negative_float,
+        default=AGING_S,
+        help="seconds of waiting worth one unit of predicted log length: a request that arrived this much "
+        f"earlier outranks one predicted e times shorter, so none starves (0: off; default {AGING_S:g})",
     )
 
     p = sub.add_parser(
@@ -190,6 +197,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--kv-capacity", type=int, help="KV tokens (default unlimited); preempted requests re-prefill"
     )
+    p.add_argument(
+        "--preemption",
+        choices=["priority", "memory"],
+        default="priority",
+        help="priority: re-rank every iteration (the paper); memory: vLLM's (running requests stay)",
+    )
+    p.add_argument(
+        "--aging-s", type=_non_negative_float, default=0.0, help="ltr aging, as the proxy's (0: off)"
+    )
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
     add_seed(p)
     add_out(p, help="also write the results as JSON", required=False)
@@ -215,6 +231,17 @@ def _positive_float(text: str) -> float:
         value = 0.0
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (checked before any work)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
     return value
 
 
@@ -264,6 +291,7 @@ def _command(args) -> str | None:
             client_timeout=args.client_timeout,
             check_upstream=not args.skip_upstream_check,
             honour_client_priority=args.honour_client_priority,
+            aging_s=args.aging_s or None,
         )
         return None
     if args.command == "proxy-overhead":
@@ -338,7 +366,13 @@ def _simulate(args) -> None:
     scores = load_ranker(args.ranker, args.traces).score([t.prompt for t in traces], progress=True)
     cost = CostModel.load(args.cost_model) if args.cost_model else CostModel()
     config = SimConfig(
-        args.token_budget, args.max_batch, args.starvation_threshold, args.quantum, args.kv_capacity
+        args.token_budget,
+        args.max_batch,
+        args.starvation_threshold,
+        args.quantum,
+        args.kv_capacity,
+        args.preemption,
+        args.aging_s or None,
     )
     results = run_policies(
         np.array([t.prompt_len for t in traces]),

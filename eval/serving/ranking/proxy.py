@@ -4,14 +4,25 @@ Put it in front of a vLLM server started with ``--scheduling-policy priority``; 
 ``bench serve`` included) then get shortest-predicted-first order.  For ``POST /v1/completions`` and
 ``/v1/chat/completions`` it reads the prompt (a string, a list of strings, token ids, or the last user
 message), scores it with an ``ngram`` ranker (a tokenization and a sparse dot product, no model) and sets
-``priority = round(predicted log length * scale)`` (vLLM serves lower values first), replacing any priority
-the client sent (any value would jump all ranked traffic) unless ``honour_client_priority``.  Everything else
+``priority = round((predicted log length + arrival / aging_s) * scale)`` (vLLM serves lower values first;
+arrival in seconds since the proxy started), replacing any priority the client sent (any value would jump all
+ranked traffic) unless ``honour_client_priority``.
+
+The arrival term is aging: vLLM fixes a request's priority when it arrives and its waiting queue never
+re-prioritizes (a heap on ``(priority, arrival_time)``, ``vllm/v1/core/sched/request_queue.py``), so a long
+prediction could wait behind every later short one forever.  Linear aging — the key falls by one unit of log
+length per ``aging_s`` seconds waited — never changes the order of two requests once both have arrived (their
+waiting times differ by a constant), so it is exactly this static priority, and vLLM's heap applies it: a request
+that arrived ``aging_s`` seconds earlier outranks one predicted e times shorter, and one that has waited
+``aging_s * (its predicted log length - the shortest's)`` outranks every later arrival.  The victim of a KV
+eviction (vLLM evicts the running request of the largest priority value) is then a late arrival too.
+``aging_s=None`` switches it off.  Everything else
 (other paths and methods, headers, status, bodies) passes through; responses stream through chunk by chunk, so
 server-sent events arrive as the server sends them.
 
 A request the ranker cannot score (no ranker loaded, a body that is not JSON, a prompt of an unknown shape, an
-exception) is forwarded unchanged in priority terms: it gets the constant ``fallback`` priority (the
-training mean), so such requests keep their arrival order among themselves — FCFS — and the failure is
+exception) is forwarded unchanged in priority terms: it gets the ``fallback`` log length (the training mean),
+aged like any other, so such requests keep their arrival order among themselves — FCFS — and the failure is
 logged; no request is dropped by the proxy.
 
 Clients are untrusted: bodies are parsed as JSON only and capped at ``MAX_BODY`` bytes; a request must arrive
@@ -72,6 +83,7 @@ HOP_BY_HOP = {
 SCORED_PATHS = ("/v1/completions", "/v1/chat/completions")
 PRIORITY_LIMIT = 2**31 - 1
 PROBE_PRIORITY = 1  # vLLM's FCFS scheduler accepts 0 and refuses any other value
+AGING_S = 60.0  # seconds of waiting worth one unit of predicted log length (scripts/bench_rank_aging.py)
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "¹", which int() refuses
 _HEX = re.compile(rb"[0-9a-fA-F]+")
 
@@ -102,7 +114,9 @@ class Prioritizer:
     ``oracle=True`` is for benchmarks only: the priority is the request's own ``max_tokens``, which vLLM's
     client sets to the true reply length (with ``--ignore-eos``), i.e. shortest-job-first with true lengths.
     ``honour_client_priority=True`` keeps a priority the client sent, for trusted clients only: any client could
-    otherwise put itself ahead of all ranked traffic."""
+    otherwise put itself ahead of all ranked traffic.  ``aging_s`` adds the arrival time (``clock()`` seconds
+    since the prioritizer was made) over ``aging_s`` to the predicted log length (the module's docstring);
+    unscored requests age alike, oracle priorities do not."""
 
     def __init__(
         self,
@@ -110,9 +124,16 @@ class Prioritizer:
         scale: float = 1000.0,
         oracle: bool = False,
         honour_client_priority: bool = False,
+        aging_s: float | None = AGING_S,
+        clock=time.monotonic,
     ):
-        self.scale, self.ranker, self.fallback, self.failures, self.oracle = scale, None, 0, 0, oracle
-        self.honour_client_priority = honour_client_priority
+        if aging_s is not None and not 0 < aging_s < float("inf"):
+            raise ValueError(
+                f"aging_s={aging_s} is not a positive number of seconds; to resolve, pass e.g. 60"
+            )
+        self.scale, self.ranker, self.fallback, self.failures, self.oracle = scale, None, 0.0, 0, oracle
+        self.honour_client_priority, self.aging_s, self.clock = honour_client_priority, aging_s, clock
+        self.epoch = clock()
         self._lock = threading.Lock()
         if oracle:
             log.info("oracle priorities: max_tokens of each request (a benchmark ceiling, not a deployment)")
@@ -131,32 +152,36 @@ class Prioritizer:
                 )
             self.ranker = ranker
             self.encode = _encoder(ranker.tokenizer)
-            self.fallback = self._priority(-ranker.ngram.bias)
+            self.fallback = ranker.ngram.bias
         except Exception as err:  # the proxy still serves, in FCFS order
             log.error(
                 "ranker %s not loaded (%s: %s); forwarding in FCFS order", ranker_dir, type(err).__name__, err
             )
 
-    def _priority(self, score: float) -> int:
-        return int(np.clip(-round(score * self.scale), -PRIORITY_LIMIT, PRIORITY_LIMIT))
+    def aged(self, log_len: float) -> int:
+        """vLLM's priority of a request predicted ``log_len`` arriving now: ``(log_len + arrival / aging_s) *
+        scale``, rounded, within vLLM's int range (the clip binds after 2**31 / scale * aging_s seconds: over
+        four years at the defaults)."""
+        key = log_len if self.aging_s is None else log_len + (self.clock() - self.epoch) / self.aging_s
+        return int(np.clip(round(key * self.scale), -PRIORITY_LIMIT, PRIORITY_LIMIT))
 
     def priority(self, path: str, body: dict) -> int:
         if self.oracle:
             tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-            return int(np.clip(tokens, 0, PRIORITY_LIMIT)) if type(tokens) is int else self.fallback
+            return int(np.clip(tokens, 0, PRIORITY_LIMIT)) if type(tokens) is int else 0
         if self.ranker is None:
-            return self.fallback
+            return self.aged(self.fallback)
         try:
             prompt = prompt_of(path, body)
             ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-            return self._priority(float(self.ranker.score_ids([ids])[0]))
+            return self.aged(-float(self.ranker.score_ids([ids])[0]))
         except Exception as err:
             with self._lock:
                 self.failures += 1
             log.warning(
                 "ranker failed on a request to %s (%s: %s); FCFS priority", path, type(err).__name__, err
             )
-            return self.fallback
+            return self.aged(self.fallback)
 
     def rewrite(self, path: str, raw: bytes) -> bytes:
         """The body to forward: with ``priority`` added where the request is scored, else unchanged."""
@@ -638,12 +663,13 @@ def make_server(
     client_timeout: float = CLIENT_TIMEOUT,
     check_upstream: bool = True,
     honour_client_priority: bool = False,
+    aging_s: float | None = AGING_S,
 ) -> ProxyServer:
     """The proxy server (not started): ``serve_forever()`` it, or ``serve`` for the CLI.  Raises ``UsageError``
     if the upstream refuses priorities (``check_upstream``), before binding or loading the ranker."""
     if check_upstream:
         check_upstream_priority(upstream)
-    prioritizer = Prioritizer(ranker_dir, scale, oracle, honour_client_priority)
+    prioritizer = Prioritizer(ranker_dir, scale, oracle, honour_client_priority, aging_s)
     handler = make_handler(prioritizer, upstream, client_timeout)
     server = ProxyServer((host, port), handler, max_connections)
     server.prioritizer = prioritizer

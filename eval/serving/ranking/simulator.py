@@ -13,6 +13,14 @@ again (paid through the cost model's prefill term).  When no lower-priority KV i
 stops there.  FCFS only preempts when memory runs out; preemptive SJF pays for each preemption.  Under ``ltr`` a request left idle for ``starvation_threshold``
 iterations is promoted to the front for ``quantum`` scheduled iterations (the paper: 200 and 10).
 Iteration time comes from a :class:`CostModel` fitted to measured prefill/decode step times.
+
+``preemption="memory"`` is vLLM's priority scheduler instead (``vllm/v1/core/sched/scheduler.py``): requests that
+hold KV run first, every iteration, and only leave the batch when evicted for memory (the resident one of the
+largest priority value first); the priority order only decides which waiting request is admitted next.
+``aging_s`` ages ``ltr``: the key is the predicted log length minus the time waited over ``aging_s`` (a request
+that has waited ``aging_s`` seconds longer outranks one predicted e times shorter).  Linear aging keeps the order
+of any two requests fixed after both arrived (the waiting terms differ by a constant), so it is the static key
+``-score + arrival / aging_s``: what a proxy can send as vLLM's fixed ``priority``.
 """
 
 from __future__ import annotations
@@ -65,13 +73,24 @@ class SimConfig:
     quantum: int = 10
     kv_capacity: int | None = None
     """KV-cache tokens; None = unlimited memory and free preemption."""
+    preemption: Literal["priority", "memory"] = "priority"
+    """priority: every iteration re-ranks all requests (the paper); memory: vLLM's (running ones stay)."""
+    aging_s: float | None = None
+    """ltr only: seconds of waiting worth one unit of predicted log length; None = no aging."""
 
     def __post_init__(self):
         fields = (self.token_budget, self.max_batch, self.starvation_threshold, self.quantum)
-        if min(fields) < 1 or (self.kv_capacity is not None and self.kv_capacity < 1):
+        if (
+            min(fields) < 1
+            or (self.kv_capacity is not None and self.kv_capacity < 1)
+            or (self.aging_s is not None and not self.aging_s > 0)
+        ):
             raise ValueError(
-                f"{self} has a non-positive field; to resolve, pass positive --token-budget/--max-batch/--kv-capacity"
+                f"{self} has a non-positive field; to resolve, pass positive "
+                "--token-budget/--max-batch/--kv-capacity/--aging-s"
             )
+        if self.preemption not in ("priority", "memory"):
+            raise ValueError(f"preemption={self.preemption!r}; to resolve, pass priority or memory")
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:
@@ -110,7 +129,7 @@ def simulate(
         )
     base_key = {
         "fcfs": np.asarray(arrival, float),
-        "ltr": -np.asarray(score, float),
+        "ltr": aged_key(score, arrival, config.aging_s),
         "oracle": todo.astype(float),
     }[policy]
     kv = np.zeros(n, np.int64)  # KV tokens resident per request
@@ -128,6 +147,8 @@ def simulate(
         if policy == "ltr":
             key = np.where(promoted[active] > 0, -np.inf, key)
         order = active[argsort(key)]
+        if config.preemption == "memory":  # vLLM: the requests holding KV first, then admissions by priority
+            order = np.concatenate([order[kv[order] > 0], order[kv[order] == 0]])
         run, take = _fill_batch(order, prefill_left, kv, prompt, output, todo, capacity, config)
         in_prefill = prefill_left[run] > 0
         t += cost.iteration(int(take[in_prefill].sum()), int((~in_prefill).sum()))
@@ -148,6 +169,13 @@ def simulate(
         kv[done] = 0
         active = active[todo[active] > 0]
     return finish
+
+
+def aged_key(score, arrival, aging_s: float | None) -> np.ndarray:
+    """The ``ltr`` order key (lower first): minus the score (the predicted log length), plus the arrival time
+    over ``aging_s`` when aging (equal, for any two requests, to subtracting each one's waiting time)."""
+    key = -np.asarray(score, float)
+    return key if aging_s is None else key + np.asarray(arrival, float) / aging_s
 
 
 def _fill_batch(
@@ -203,6 +231,9 @@ class SimResult:
     wall_s: float
     kv_capacity: int | None = None
     """The run's KV capacity in tokens (None: unlimited memory, free preemption)."""
+    p99_latency_s: float = float("nan")
+    max_latency_s: float = float("nan")
+    """The worst request: what starvation shows in."""
 
 
 def summarize(
@@ -221,6 +252,8 @@ def summarize(
         float(len(arrival) / span),
         wall_s,
         kv_capacity,
+        float(np.percentile(latency, 99)),
+        float(latency.max()),
     )
 
 
@@ -249,6 +282,55 @@ def run_policies(
                 summarize(policy, rate, arrival, output_len[pick], finish, wall, config.kv_capacity)
             )
     return results
+
+
+def latency_stats(latency: np.ndarray) -> dict[str, float]:
+    """Mean, p50, p90, p99 and max of end-to-end latencies (s)."""
+    return {"mean_s": float(latency.mean()), "p50_s": float(np.median(latency)),
+            **{f"p{q}_s": float(np.percentile(latency, q)) for q in (90, 99)}, "max_s": float(latency.max())}  # fmt: skip
+
+
+def aging_sweep(
+    prompt_len: np.ndarray,
+    output_len: np.ndarray,
+    score: np.ndarray,
+    agings: list[float],
+    rate_x: float,
+    n_requests: int,
+    cost: CostModel,
+    config: SimConfig,
+    seeds: list[int],
+) -> list[dict]:
+    """FCFS, ``ltr`` without aging and ``ltr`` with each ``aging_s`` on the same requests and arrivals, per seed:
+    ``n_requests`` sampled with replacement, Poisson arrivals at ``rate_x`` times FCFS's request rate when all of
+    them arrive at once (its saturated rate, as the benchmark's ``1.3x``).  One row per (seed, arm) with
+    :func:`latency_stats`."""
+    from dataclasses import replace
+
+    rows = []
+    for seed in seeds:
+        pick = np.random.default_rng(seed).integers(0, len(output_len), n_requests)
+        p, o, s = prompt_len[pick], output_len[pick], score[pick]
+        burst = simulate(np.zeros(n_requests), p, o, s, "fcfs", cost, config)
+        rate = rate_x * n_requests / float(burst.max())
+        arrival = poisson_arrivals(n_requests, rate, seed)
+        arms = [("fcfs", None), ("ltr", None), *(("ltr", a) for a in agings)]
+        for policy, aging in arms:
+            finish = simulate(arrival, p, o, s, policy, cost, replace(config, aging_s=aging))
+            rows.append({"seed": seed, "policy": policy, "aging_s": aging, "rate_rps": rate,
+                         **latency_stats(finish - arrival)})  # fmt: skip
+    return rows
+
+
+def choose_aging(rows: list[dict], bound: float = 2.0) -> float | None:
+    """The largest ``aging_s`` (the least aging, which keeps most of the ranking's gain) whose worst latency is
+    within ``bound`` times FCFS's in every seed of :func:`aging_sweep`; None if no constant holds it."""
+    fcfs = {r["seed"]: r["max_s"] for r in rows if r["policy"] == "fcfs"}
+    agings = sorted({r["aging_s"] for r in rows if r["aging_s"] is not None}, reverse=True)
+    for aging in agings:
+        if all(r["max_s"] <= bound * fcfs[r["seed"]] for r in rows if r["aging_s"] == aging):
+            return aging
+    return None
 
 
 def calibrate_cost_model(model_dir: str | os.PathLike, repeats: int = 3, dtype: str = "float32") -> CostModel:

@@ -153,7 +153,9 @@ def train_ranker(
         "n_held_out": len(test),
         "config": config.model_dump(exclude={"target_model", "backbone"}),  # paths: not portable
         "one_feature": one_feature_fit(np.array([_prompt_len(t) for t in train]), lengths),
-        "prompt_digests": sorted({prompt_digest(t.prompt) for t in train}),  # what `evaluate` must never score
+        "prompt_digests": sorted(
+            {prompt_digest(t.prompt) for t in train}
+        ),  # what `evaluate` must never score
     }
     if config.kind == "ngram":
         if target is None:

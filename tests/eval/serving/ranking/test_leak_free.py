@@ -12,7 +12,10 @@ from eval.serving.ranking.train import TrainConfig, evaluate_ranker, held_out_tr
 
 
 def _row(i, prompt: str, reply: str) -> dict:
-    return {"id": str(i), "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+    return {
+        "id": str(i),
+        "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}],
+    }
 
 
 @pytest.fixture
@@ -56,7 +59,9 @@ def test_split_keeps_a_prompts_traces_together():
     train, test = split_traces(traces, 0.2, seed=1)
     assert len(test) == 40 and len(train) == 160
     assert not {prompt_key(t.prompt) for t in train} & {prompt_key(t.prompt) for t in test}
-    unique = [Trace(f"p{i}", i + 1) for i in range(100)]  # no repeats: a plain shuffle of the traces, as before
+    unique = [
+        Trace(f"p{i}", i + 1) for i in range(100)
+    ]  # no repeats: a plain shuffle of the traces, as before
     import numpy as np
 
     order = np.random.default_rng(3).permutation(100)
@@ -72,8 +77,12 @@ def test_evaluate_leaves_out_the_rankers_training_prompts(tokenizer_dir, tmp_pat
 
     pairs = synthetic_pairs(300)
     write(tmp_path / "a", pairs[:200])
-    write(tmp_path / "b", pairs[150:] + [(p + "  ", r) for p, r in pairs[:10]])  # 60 seen, 10 with other spaces
-    ranker = train_ranker(tmp_path / "a", tmp_path / "r", TrainConfig(kind="ngram", ngram_bits=12, held_out=0))
+    write(
+        tmp_path / "b", pairs[150:] + [(p + "  ", r) for p, r in pairs[:10]]
+    )  # 60 seen, 10 with other spaces
+    ranker = train_ranker(
+        tmp_path / "a", tmp_path / "r", TrainConfig(kind="ngram", ngram_bits=12, held_out=0)
+    )
     assert len(held_out_traces(ranker, tmp_path / "b", "all")) == 100
     assert evaluate_ranker(ranker, tmp_path / "b", "all")["n"] == 100
     with pytest.raises(ValueError, match="every prompt"):

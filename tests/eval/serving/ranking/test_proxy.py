@@ -20,7 +20,8 @@ def upstream():
 
 @pytest.fixture()
 def proxy(ranker_dir, upstream):
-    server = start(make_server(ranker_dir, f"http://127.0.0.1:{upstream.server_address[1]}", port=0))
+    url = f"http://127.0.0.1:{upstream.server_address[1]}"
+    server = start(make_server(ranker_dir, url, port=0, aging_s=None))  # aging: test_aging_*
     yield server
     stop(server)
 
@@ -73,7 +74,9 @@ def test_streaming_passes_through(proxy):
 
 
 def test_ranker_failures_fall_back_to_fcfs(proxy, ranker_dir, upstream, tmp_path, caplog):
-    fallback = proxy.prioritizer.fallback
+    fallback = proxy.prioritizer.aged(
+        proxy.prioritizer.fallback
+    )  # the training mean: a constant without aging
     _, resp = post(proxy, "/v1/completions", {"prompt": {"not": "a prompt"}})
     resp.read()
     assert resp.status == 200 and last_body(upstream)["priority"] == fallback
@@ -82,7 +85,9 @@ def test_ranker_failures_fall_back_to_fcfs(proxy, ranker_dir, upstream, tmp_path
         resp.status == 400 and upstream.handler.seen[-1][1] == b"{not json"
     )  # forwarded as is, upstream answers
     assert proxy.prioritizer.failures == 2
-    broken = make_server(tmp_path / "missing", f"http://127.0.0.1:{upstream.server_address[1]}", port=0)
+    broken = make_server(
+        tmp_path / "missing", f"http://127.0.0.1:{upstream.server_address[1]}", port=0, aging_s=None
+    )
     start(broken)
     try:
         for prompt in ["short", "essay about cats"]:
@@ -122,7 +127,7 @@ def test_prompt_shapes():
 
 
 def test_token_ids_are_scored_like_text(ranker_dir):
-    p = Prioritizer(ranker_dir)
+    p = Prioritizer(ranker_dir, aging_s=None)
     ids = p.ranker.tokenizer("short tell me").input_ids
     assert p.priority("/v1/completions", {"prompt": ids}) == p.priority(
         "/v1/completions", {"prompt": "short tell me"}
@@ -161,7 +166,40 @@ def test_encoder_matches_the_tokenizer_without_its_lock(tokenizer_dir):
 def test_oracle_mode_uses_max_tokens():
     p = Prioritizer(None, oracle=True)
     assert p.priority("/v1/completions", {"prompt": "x", "max_tokens": 37}) == 37
-    assert p.priority("/v1/completions", {"prompt": "x"}) == p.fallback
+    assert p.priority("/v1/completions", {"prompt": "x"}) == 0
+
+
+def test_aging_priority_is_log_length_plus_arrival_over_aging_s(ranker_dir):
+    """priority = round((predicted log length + seconds since start / aging_s) * scale): a request that arrived
+    aging_s * (log difference) earlier ties a later one predicted shorter, earlier still outranks it; clipped to
+    vLLM's int range; unscored requests age alike."""
+    import numpy as np
+
+    clock = type("Clock", (), {"t": 100.0, "__call__": lambda self: self.t})()
+    p = Prioritizer(ranker_dir, scale=1000.0, aging_s=30.0, clock=clock)
+    short, long_ = {"prompt": "short tell me now"}, {"prompt": "essay about cats and dogs please"}
+    log_short, log_long = (-float(p.ranker.score([b["prompt"]])[0]) for b in (short, long_))
+    assert log_long > log_short
+    assert p.priority("/v1/completions", long_) == round(log_long * 1000)  # arrival 0: the epoch
+    clock.t += 12.0
+    assert p.priority("/v1/completions", short) == round((log_short + 12.0 / 30.0) * 1000)
+    gap = 30.0 * (log_long - log_short)  # waiting this long makes up the predicted difference
+    clock.t = 100.0 + gap + 0.5
+    early_long = round(log_long * 1000)
+    assert p.priority("/v1/completions", short) > early_long  # the long one that waited is served first
+    clock.t = 100.0 + gap - 0.5
+    assert p.priority("/v1/completions", short) < early_long  # before that, the short one jumps it
+    assert p.priority("/v1/completions", {"prompt": {"bad": 1}}) == round(
+        (p.fallback + (gap - 0.5) / 30) * 1000
+    )
+    clock.t = 1e12
+    assert p.priority("/v1/completions", short) == 2**31 - 1
+    assert Prioritizer(ranker_dir, aging_s=None, clock=clock).priority("/v1/completions", short) == round(
+        log_short * 1000
+    )
+    with pytest.raises(ValueError, match="aging_s"):
+        Prioritizer(ranker_dir, aging_s=0.0)
+    assert np.isclose(p.fallback, p.ranker.ngram.bias)
 
 
 def test_cli_proxy_overhead(ranker_dir, tmp_path, capsys):

@@ -202,7 +202,7 @@ def test_startup_check_of_the_upstreams_priority_scheduling(ranker_dir, upstream
 def test_client_priority_is_ignored_unless_honoured(proxy_for, upstream):
     body = {"prompt": "essay about cats and dogs please", "priority": -5}
     for honour in (False, True):
-        proxy = proxy_for(honour_client_priority=honour)
+        proxy = proxy_for(honour_client_priority=honour, aging_s=None)  # the same priority twice
         conn = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=5)
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         assert conn.getresponse().read()

@@ -164,3 +164,66 @@ def test_results_table_reports_the_kv_setting():
     )
     assert rows[0].kv_capacity == 500 and "kv 500" in results_table(rows)
     assert run_policies(prompt, out, -out.astype(float), [5.0], ["fcfs"], 40)[0].kv_capacity is None
+
+
+def test_memory_preemption_keeps_running_requests_like_vllm():
+    # A (4 tokens) at 0, B (1 token, better score) at 1.5, one sequence per iteration: the paper's scheduler
+    # preempts A for B; vLLM's keeps A running and admits B after it
+    arrival, prompt, out, score = (
+        np.array([0.0, 1.5]),
+        np.ones(2, int),
+        np.array([4, 1]),
+        np.array([0.0, 1.0]),
+    )
+    paper = SimConfig(token_budget=8, max_batch=1)
+    vllm = SimConfig(token_budget=8, max_batch=1, preemption="memory")
+    assert simulate(arrival, prompt, out, score, "ltr", UNIT, paper).tolist() == [5.0, 3.0]
+    assert simulate(arrival, prompt, out, score, "ltr", UNIT, vllm).tolist() == [4.0, 5.0]
+    with pytest.raises(ValueError, match="preemption"):
+        SimConfig(preemption="never")
+
+
+def test_aging_is_the_static_key_and_bounds_the_wait():
+    # one sequence per iteration of 1 s; a short job (predicted log length 1) arrives every second from 0, a long
+    # one (predicted 5, 10 tokens) at 0.5 while the first short one runs
+    n_short = 40
+    arrival = np.sort(np.concatenate([[0.5], np.arange(n_short, dtype=float)]))
+    out = np.array([1, 10] + [1] * (n_short - 1))
+    score = np.array([-1.0, -5.0] + [-1.0] * (n_short - 1))
+    prompt = np.ones(n_short + 1, int)
+    plain = SimConfig(1, 1, starvation_threshold=10**9, preemption="memory")
+    assert (
+        simulate(arrival, prompt, out, score, "ltr", UNIT, plain)[1] == n_short + 10.0
+    )  # after every short one
+    aged = SimConfig(1, 1, 10**9, preemption="memory", aging_s=2.0)
+    # keys: 5 + 0.5 / 2 for the long one, 1 + k / 2 for the short one of second k: from k = 9 on the long one
+    # ranks first, is admitted at t = 9 and, running, stays for its 10 iterations
+    assert simulate(arrival, prompt, out, score, "ltr", UNIT, aged)[1] == 9.0 + 10.0
+    from eval.serving.ranking.simulator import aged_key
+
+    assert aged_key(score, arrival, None).tolist() == (-score).tolist()
+    np.testing.assert_allclose(aged_key(score, arrival, 2.0), -score + arrival / 2.0)
+    with pytest.raises(ValueError, match="aging-s"):
+        SimConfig(aging_s=0.0)
+
+
+def test_aging_sweep_and_choice():
+    from eval.serving.ranking.simulator import aging_sweep, choose_aging
+
+    rng = np.random.default_rng(0)
+    out = rng.integers(1, 300, 200)
+    prompt = rng.integers(10, 100, 200)
+    score = -np.log(out) + rng.normal(0, 0.5, 200)  # a fair predictor
+    cost = CostModel(base=0.03, prefill_token=0.001, decode_token=0.001)
+    config = SimConfig(512, 8, 10**9, preemption="memory")
+    rows = aging_sweep(prompt, out, score, [5.0, 1e9], 1.3, 200, cost, config, [0, 1])
+    assert len(rows) == 2 * 4 and {r["policy"] for r in rows} == {"fcfs", "ltr"}
+    by = {(r["seed"], r["aging_s"], r["policy"]): r for r in rows}
+    for seed in (0, 1):
+        # an aging constant far beyond the run's length changes nothing; strong aging moves toward FCFS
+        assert by[seed, 1e9, "ltr"]["max_s"] == pytest.approx(by[seed, None, "ltr"]["max_s"])
+        assert by[seed, 5.0, "ltr"]["max_s"] <= by[seed, None, "ltr"]["max_s"]
+        assert by[seed, None, "ltr"]["mean_s"] < by[seed, None, "fcfs"]["mean_s"]
+    worst = max(by[s, None, "ltr"]["max_s"] / by[s, None, "fcfs"]["max_s"] for s in (0, 1))
+    assert choose_aging(rows, bound=worst + 1) == 1e9  # the least aging when that holds the bound
+    assert choose_aging(rows, bound=0.5) is None
