@@ -63,26 +63,28 @@ def start_proxy(args, server, work: Path, oracle: bool) -> tuple[subprocess.Pope
     """A proxy in the core venv in front of ``server``, its ranker loaded, warmed up by one completion (whose
     priority a server without ``--scheduling-policy priority`` would refuse)."""
     upstream = server.url
-    port = bs._free_port()
-    argv = [str(args.core_python), "-m", "toolkit", "ranking", "proxy", str(args.ranker)]
-    argv += ["--upstream", upstream, "--port", str(port)] + (["--oracle"] if oracle else [])
-    log = work / f"proxy-{'oracle' if oracle else 'ranker'}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, not an installed copy
-    with open(log, "w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                r.read()
-            break
-        except OSError:
-            if process.poll() is not None:
-                raise RuntimeError(f"the proxy exited: {log.read_text()[-2000:]}") from None
-            time.sleep(0.5)
-    else:
-        process.terminate()
-        raise RuntimeError(f"the proxy did not come up in 120 s (log {log})")
+    # the port held until the proxy listens on it (http.server binds with SO_REUSEADDR too)
+    with contextlib.closing(bs._reserve_port()) as held:
+        port = held.getsockname()[1]
+        argv = [str(args.core_python), "-m", "toolkit", "ranking", "proxy", str(args.ranker)]
+        argv += ["--upstream", upstream, "--port", str(port)] + (["--oracle"] if oracle else [])
+        log = work / f"proxy-{'oracle' if oracle else 'ranker'}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, not an installed copy
+        with open(log, "w") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                    r.read()
+                break
+            except OSError:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the proxy exited: {log.read_text()[-2000:]}") from None
+                time.sleep(0.5)
+        else:
+            process.terminate()
+            raise RuntimeError(f"the proxy did not come up in 120 s (log {log})")
     body = {"model": server.name, "prompt": "Say hi.", "max_tokens": 2}
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}

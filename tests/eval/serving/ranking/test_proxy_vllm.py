@@ -1,11 +1,12 @@
 """The ranking proxy in front of a real vLLM CPU server started with ``--scheduling-policy priority``: a
 streamed completion and a chat completion pass through with the ranker's priorities (a FCFS server refuses a
-non-zero priority with a 400, so a 200 here means the priority reached a priority scheduler)."""
+non-zero priority with a 400, so a 200 here means the priority reached a priority scheduler).  The server's
+port is held by the test from before the server starts until it ends (``helpers.faults.reserve_port``: vLLM binds
+it with SO_REUSEADDR too), so no other process can take it in between; the proxy listens on port 0."""
 
 import http.client
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -13,17 +14,12 @@ import urllib.request
 
 import pytest
 from helpers import ROOT
+from helpers.faults import reserve_port
 
 from eval.serving.ranking.labels import sharegpt_lengths
 from eval.serving.ranking.proxy import make_server
 from eval.serving.ranking.train import TrainConfig, train_ranker
 from eval.serving.vllm.cpu import cpu_environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -34,7 +30,8 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
     ranker = train_ranker(tmp_path / "lengths", tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=16))
     env = {**os.environ, **cpu_environment(tmp_path), "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    port = free_port()
+    held = reserve_port()  # until the end: the server binds it with SO_REUSEADDR, nothing else can meanwhile
+    port = held.getsockname()[1]
     cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2), "--enforce-eager",
            "--dtype", "float32", "--kv-cache-memory-bytes", str(128 << 20), "--max-model-len", "1024",
            "--scheduling-policy", "priority", "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
@@ -82,3 +79,4 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
         os.killpg(server.pid, 9)
         server.wait(timeout=60)
         log.close()
+        held.close()
