@@ -260,7 +260,7 @@ class TaleLayer(CacheLayerMixin):
         """Finish a recorded pass: significance from its (kept) rows, then compression."""
         if self.pending is None:
             return
-        from .attention import observe  # attention builds on this module
+        from .scores import observe  # numba (kvcompress.kernels): imported when a recorded pass settles
 
         held_passes, self.pending = self.pending, None
         for held in held_passes:

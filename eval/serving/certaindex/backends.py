@@ -1,4 +1,4 @@
-"""What Certaindex needs from an inference engine, and how a ``--model`` string picks one.
+"""What Certaindex needs from an inference engine (which one a ``--model`` string opens: :mod:`.engines`).
 
 A backend opens a *session* on a prompt: ``extend`` grows the main chain of thought by one chunk,
 ``start_probe`` asks a side question about the text so far without changing it (an HTTP engine returns while
@@ -62,18 +62,6 @@ class Backend(Protocol):
     def session(self, prompt: str) -> Session: ...
 
     def sample(self, prompt: str, n: int, max_tokens: int, sampling: Sampling) -> list[Completion]: ...
-
-
-def load_backend(model: str, *, tokenizer: str | None = None, dtype: str = "float32") -> Backend:
-    """``http(s)://host:port/v1`` -> OpenAI-compatible client (``tokenizer`` = HF dir or hub id for the chat
-    template, optional); anything else -> a transformers model directory."""
-    if model.startswith(("http://", "https://")):
-        from .http_backend import OpenAIBackend
-
-        return OpenAIBackend(model, tokenizer=tokenizer)
-    from .hf_backend import HFBackend
-
-    return HFBackend.from_pretrained(model, dtype=dtype)
 
 
 def render_chat(tokenizer, question: str) -> str:

@@ -22,9 +22,10 @@ from toolkit.cliargs import (
 )
 
 from .answers import answers_equal
-from .backends import Backend, Sampling, load_backend
+from .backends import Backend, Sampling
 from .certainty import PRESETS, preset
 from .data import Problem, resolve_problems
+from .engines import load_backend
 from .records import run_resumable
 
 EPILOG = """examples:

@@ -25,6 +25,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from eval.serving.vllm.layout import skips_layers  # stdlib only: the plugin's import stays light
+
 MODEL_CLASSES = {
     "LlamaSwiftKVForCausalLM": "eval.serving.vllm.llama:LlamaSwiftKVForCausalLM",
     "Qwen2SwiftKVForCausalLM": "eval.serving.vllm.llama:Qwen2SwiftKVForCausalLM",
@@ -40,13 +42,6 @@ PROMPT_LOGPROBS_REFUSED = (
 
 # a child of vLLM's logger, so the lines look like vLLM's own and follow its logging configuration
 logger = logging.getLogger("vllm.swiftkv_toolkit")
-
-
-def skips_layers(hf_config) -> bool:
-    """Whether a checkpoint config runs the SwiftKV path with at least one SwiftKV layer."""
-    return bool(getattr(hf_config, "swiftkv", False)) and (
-        hf_config.num_key_value_layers < hf_config.num_hidden_layers
-    )
 
 
 def fast_prefill_switch(hf_config) -> bool:

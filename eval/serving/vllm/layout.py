@@ -222,12 +222,17 @@ def cap_prefix_cache(manager, window: int, block_size: int) -> None:
     coordinator.cache_blocks = cache_blocks
 
 
+def skips_layers(hf_config) -> bool:
+    """Whether a checkpoint config runs the SwiftKV path with at least one SwiftKV layer."""
+    return bool(getattr(hf_config, "swiftkv", False)) and (
+        hf_config.num_key_value_layers < hf_config.num_hidden_layers
+    )
+
+
 def served_exact_kv_window(vllm_config) -> int:
     """The exact-K/V window W an engine serves the checkpoint with: the config's ``exact_kv_window`` for a SwiftKV
     checkpoint that skips layers with vLLM's fast prefill on (without it the engine is refused at start,
     ``exact_kv_refusal``), else 0."""
-    from eval.serving.vllm import skips_layers
-
     hf_config = vllm_config.model_config.hf_config
     window = getattr(hf_config, "exact_kv_window", 0) or 0
     if not window or not skips_layers(hf_config) or not vllm_config.cache_config.kv_sharing_fast_prefill:
