@@ -116,14 +116,14 @@ def deepspeed_config(value: str) -> str:
     its DeepSpeed config as ``recipes/deepspeed/NAME.json``, which is the installed one where no such file is in
     this folder; anything else (a path, accelerate's inline JSON) stays as it is."""
     files = shipped("DeepSpeed config")
-    if Path(value).expanduser().exists() or normalize(value) not in files:
+    if normalize(value) not in files or Path(value).expanduser().exists():  # inline JSON is never a name
         return value
     return str(files[normalize(value)].path)
 
 
 def describe(file: Shipped) -> str:
-    """One line about a shipped file: a YAML file's first comment line; a DeepSpeed or accelerate config's ZeRO
-    stage and processes; a model config's family and size."""
+    """One line about a shipped file: the first sentence of a YAML file's opening comment; an accelerate or
+    DeepSpeed config's processes and ZeRO stage; a model config's family and size."""
     if file.kind == "accelerate config":
         import yaml
 

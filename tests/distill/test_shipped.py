@@ -6,6 +6,7 @@ tests/eval/test_job.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -113,7 +114,10 @@ def test_a_shipped_accelerate_config_finds_its_deepspeed_file_from_any_folder(tm
     assert "recipe swiftkv_llama3.1_8b: valid" in out and "8 process(es), DeepSpeed ZeRO-3" in out
     assert deepspeed_config("recipes/deepspeed/zero2.json") == str(SHIPPED / "deepspeed/zero2.json")
     inline = json.dumps({"zero_optimization": {"stage": 2}})
-    assert deepspeed_config(inline) == inline
+    encoded = base64.urlsafe_b64encode(
+        json.dumps({"zero_optimization": {"stage": 3}, "x": "y" * 400}).encode()
+    )
+    assert deepspeed_config(inline) == inline and deepspeed_config(encoded.decode()) == encoded.decode()
     (tmp_path / "recipes/deepspeed").mkdir(parents=True)
     (tmp_path / "recipes/deepspeed/zero2.json").write_text("{}")
     assert deepspeed_config("recipes/deepspeed/zero2.json") == "recipes/deepspeed/zero2.json"
