@@ -98,6 +98,70 @@ def fit(token_ids: list, lengths: np.ndarray, bits: int, edge: int, alpha: float
     }
 
 
+def fit_pairwise(
+    token_ids: list,
+    lengths: np.ndarray,
+    bits: int,
+    edge: int,
+    alpha: float,
+    pair_alpha: float = 0.05,
+    weight: str = "log-gap",
+    partners: int = 16,
+    seed: int = 0,
+    iterations: int = 200,
+) -> dict:
+    """The ridge fit of :func:`fit`, refined by a pairwise logistic loss weighted by what misordering a pair
+        costs: ``log-gap`` weighs pair (i, j) by |log len_i - log len_j| (the latency a swap costs, relative), ``gap``
+        by |len_i - len_j| / mean length (absolute), ``none`` by 1 (RankNet).  Each prompt meets ``partners`` random
+        others; L-BFGS from the ridge weights (penalty ``alpha``), with an L2 penalty of ``pair_alpha`` / (number of
+    prompts) on the mean pair loss.  The scores are then mapped back
+        to log-length units (a 1-d least-squares fit on the training prompts), so that a proxy's priority and its
+        aging keep their meaning.  Same tensors as :func:`fit`."""
+    from scipy.optimize import minimize
+
+    tensors = fit(token_ids, lengths, bits, edge, alpha)
+    x, n_tokens = count_matrix(token_ids, bits, edge)
+    design_x = design(x, n_tokens, tensors["idf"].astype(np.float64))
+    target = np.log(np.maximum(np.asarray(lengths, np.float64), 1.0))
+    rng = np.random.default_rng(seed)
+    i = np.repeat(np.arange(len(target)), partners)
+    j = rng.integers(0, len(target), len(i))
+    gap = target[i] - target[j]
+    keep = gap != 0
+    i, j, gap = i[keep], j[keep], gap[keep]
+    if weight == "log-gap":
+        w_pair = np.abs(gap)
+    elif weight == "gap":
+        raw = np.asarray(lengths, np.float64)
+        w_pair = np.abs(raw[i] - raw[j]) / raw.mean()
+    elif weight == "none":
+        w_pair = np.ones_like(gap)
+    else:
+        raise ValueError(f"pair weight {weight!r} is unknown; to resolve, pass log-gap, gap or none")
+    w_pair, sign = w_pair / w_pair.sum(), np.sign(gap)
+    penalty = pair_alpha / len(target)
+
+    def loss(w: np.ndarray) -> tuple[float, np.ndarray]:
+        f = design_x @ w
+        margin = sign * (f[i] - f[j])  # > 0: the longer reply predicted longer
+        value = float(w_pair @ np.logaddexp(0.0, -margin)) + 0.5 * penalty * float(w @ w)
+        d_margin = -w_pair * sign / (1.0 + np.exp(np.clip(margin, -50, 50)))
+        d_f = np.bincount(i, d_margin, len(target)) - np.bincount(j, d_margin, len(target))
+        return value, design_x.T @ d_f + penalty * w
+
+    start = np.r_[tensors["weight"], tensors["length_weight"]].astype(np.float64)
+    w = minimize(loss, start, jac=True, method="L-BFGS-B", options={"maxiter": iterations}).x
+    f = design_x @ w
+    slope, intercept = np.polyfit(f, target, 1)  # back to log-length units
+    w = w * slope
+    return {
+        "idf": tensors["idf"],
+        "weight": w[: 1 << bits].astype(np.float32),
+        "length_weight": w[1 << bits :].astype(np.float32),
+        "bias": np.array([intercept], np.float32),
+    }
+
+
 class NgramScorer:
     """Scores (minus predicted log length) of token-id lists with exported tensors; no torch, no model."""
 

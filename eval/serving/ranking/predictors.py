@@ -48,7 +48,7 @@ class RankerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["small-lm", "swiftkv-head", "ngram"]
-    objective: Literal["listmle", "buckets", "regression"]
+    objective: Literal["listmle", "buckets", "regression", "pairwise"]
     label_cap: int
     label_bin: int
     max_prompt_tokens: int
@@ -63,7 +63,7 @@ class RankerSpec(BaseModel):
 
     @property
     def outputs(self) -> int:
-        return 1 if self.objective == "listmle" else len(self.bucket_edges or []) + 1
+        return len(self.bucket_edges or []) + 1 if self.objective == "buckets" else 1
 
 
 FINGERPRINT_FIELDS = (
@@ -220,7 +220,7 @@ def small_lm_logits(tokenizer, model, prompts: list[str], max_prompt_tokens: int
 
 def to_scores(spec: RankerSpec, logits: torch.Tensor) -> torch.Tensor:
     """Raw outputs -> scores (higher = shorter) for either objective."""
-    return logits[:, 0] if spec.objective in ("listmle", "regression") else bucket_score(logits)
+    return logits[:, 0] if spec.objective != "buckets" else bucket_score(logits)
 
 
 class Ranker:

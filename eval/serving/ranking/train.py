@@ -48,8 +48,14 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["small-lm", "swiftkv-head", "ngram"] = "swiftkv-head"
-    objective: Literal["listmle", "buckets"] = Field(
-        "listmle", description="buckets = classification baseline"
+    objective: Literal["listmle", "buckets", "pairwise"] = Field(
+        "listmle",
+        description="buckets = classification baseline; the ngram kind fits a ridge regression unless pairwise",
+    )
+    pair_alpha: float = Field(0.05, gt=0, description="pairwise: L2 penalty of the pair loss (ngram kind)")
+    pair_weight: Literal["log-gap", "gap", "none"] = Field(
+        "log-gap",
+        description="pairwise: what a misordered pair costs, |log len_i - log len_j| or |len_i - len_j|",
     )
     target_model: str | None = Field(
         None, description="served model (swiftkv-head); default: the traces' model"
@@ -109,13 +115,25 @@ def one_feature_scores(fit: dict, prompt_lens) -> np.ndarray:
 
 
 def _train_ngram(train: list[Trace], spec: RankerSpec, config: TrainConfig, tokenizer) -> dict:
-    from .ngram import fit
+    from .ngram import fit, fit_pairwise
 
-    spec.objective, spec.ngram_bits, spec.ngram_edge = "regression", config.ngram_bits, config.ngram_edge
+    pairwise = config.objective == "pairwise"
+    spec.objective = "pairwise" if pairwise else "regression"
+    spec.ngram_bits, spec.ngram_edge = config.ngram_bits, config.ngram_edge
     ids = tokenizer([t.prompt for t in train]).input_ids
-    return fit(
-        ids, np.array([t.output_len for t in train]), config.ngram_bits, config.ngram_edge, config.alpha
-    )
+    lengths = np.array([t.output_len for t in train])
+    if pairwise:
+        return fit_pairwise(
+            ids,
+            lengths,
+            config.ngram_bits,
+            config.ngram_edge,
+            config.alpha,
+            config.pair_alpha,
+            config.pair_weight,
+            seed=config.seed,
+        )
+    return fit(ids, lengths, config.ngram_bits, config.ngram_edge, config.alpha)
 
 
 def train_ranker(
@@ -130,6 +148,10 @@ def train_ranker(
     train, test = split_traces(traces, config.held_out, config.seed)
     if len(train) < 2:
         raise ValueError(f"{traces_path} has {len(traces)} traces; to resolve, generate more (at least ~10)")
+    if config.objective == "pairwise" and config.kind != "ngram":
+        raise ValueError(
+            f"objective pairwise is for the ngram kind, not {config.kind}; to resolve, pass --kind ngram"
+        )
     lengths = np.array([t.output_len for t in train])
     target = config.target_model or meta.get("model")
     cap = config.label_cap or meta.get("max_new_tokens") or int(max(t.output_len for t in traces))
@@ -177,7 +199,7 @@ def train_ranker(
                 "eval.serving.ranking.train",
                 traces_sha256=info["traces_sha256"],
                 kind="ngram",
-                objective="regression",
+                objective=spec.objective,
             )
         return Path(out_dir)
     if config.kind == "swiftkv-head":

@@ -155,3 +155,42 @@ def test_train_on_every_trace_then_evaluate_others(sharegpt_file, tokenizer_dir,
     assert main(["evaluate", str(ranker), str(traces)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ranker") and "--split all" in err and len(err.splitlines()) == 1
+
+
+def test_pairwise_objective_ranks_and_keeps_log_length_units(tokenizer_dir, tmp_path):
+    """The gap-weighted pairwise refinement orders held-out prompts at least as well as the ridge it starts from,
+    and its predictions stay in log-length units (what the proxy's priority and aging read)."""
+    from transformers import AutoTokenizer
+
+    from eval.serving.ranking.listmle import kendall_tau
+    from eval.serving.ranking.ngram import fit_pairwise
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pairs = synthetic_pairs(600)
+    ids = tok([p for p, _ in pairs]).input_ids
+    lengths = np.array([len(r.split()) for _, r in pairs])
+    taus = {}
+    for name, tensors in [
+        ("ridge", fit(ids[:400], lengths[:400], 14, 4, 0.5)),
+        *(
+            (w, fit_pairwise(ids[:400], lengths[:400], 14, 4, 0.5, 0.05, w))
+            for w in ("log-gap", "gap", "none")
+        ),
+    ]:
+        predicted = -NgramScorer(tensors, 14, 4).scores(ids[400:])
+        taus[name] = kendall_tau(predicted, lengths[400:])
+        slope = np.polyfit(predicted, np.log(lengths[400:]), 1)[0]
+        assert 0.7 < slope < 1.4, (name, slope)
+    assert min(taus.values()) > 0.6 and taus["log-gap"] >= taus["ridge"] - 0.02
+    with pytest.raises(ValueError, match="pair weight"):
+        fit_pairwise(ids[:50], lengths[:50], 14, 4, 0.5, 0.05, "squared")
+    traces = tmp_path / "t"
+    traces.mkdir()
+    rows = [{"prompt": p, "output_len": int(n)} for (p, _), n in zip(pairs, lengths, strict=True)]
+    (traces / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (traces / "meta.json").write_text(json.dumps({"model": str(tokenizer_dir)}))
+    out = train_ranker(traces, tmp_path / "r", TrainConfig(kind="ngram", objective="pairwise", ngram_bits=14))
+    result = evaluate_ranker(out, traces)
+    assert result["objective"] == "pairwise" and result["kendall_tau_raw"] > 0.6
+    with pytest.raises(ValueError, match="ngram kind"):
+        train_ranker(traces, tmp_path / "h", TrainConfig(kind="swiftkv-head", objective="pairwise"))
