@@ -8,8 +8,9 @@ time, which ``ranking train`` / ``evaluate`` read.  Prints the fraction of repli
 
 Resumable and bounded: prompts go to the engine ``--chunk`` at a time and each finished chunk is appended to
 the JSONL; a rerun with the same options continues after the last complete chunk, and a run stops starting
-chunks once ``--time-limit`` seconds would be passed (judged by its slowest chunk so far).  Each request has its
-own seed (``--seed`` + its index), so a resumed run samples what one uninterrupted run would.
+chunks once ``--time-limit`` seconds would be passed (judged by its slowest chunk so far).  The engine is seeded with
+``--seed`` plus the number of replies already written (vLLM's CPU build refuses per-request seeds: "CPU Generator
+does not use offset"), so a rerun is reproducible, though not the samples of one uninterrupted run.
 
     .venv-vllm/bin/python scripts/bench_rank_traces.py MODEL out/sg-train --out out/own-traces --limit 3000 \\
         --max-new-tokens 2048 --time-limit 1500            # rerun until it prints "complete"
@@ -129,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         if llm is None:  # only when there is work: a finished directory starts no engine
             os.environ.update(cpu_environment(tempfile.mkdtemp(prefix="rank-traces-")))
             llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
-                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), dtype="float32")  # fmt: skip
+                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), dtype="float32",
+                           seed=args.seed + first)  # fmt: skip
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                 seed=args.seed + first + i) for i in range(len(part))]  # fmt: skip
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
         outputs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in part], params, use_tqdm=False)
         return [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop") for o in outputs]
 

@@ -1,5 +1,5 @@
 """scripts/bench_rank_traces.py without vLLM: a fake sampler shows that runs resume after the last complete chunk,
-stop before the time limit, refuse other options, and sample what one uninterrupted run would."""
+stop before the time limit, and refuse other options or prompts."""
 
 import json
 import sys
