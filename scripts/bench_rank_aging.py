@@ -6,8 +6,8 @@ ranker with each ``--aging`` constant (seconds of waiting worth one unit of pred
 requests and arrival times, per seed.  The scheduler is vLLM's (``SimConfig(preemption="memory")``: running
 requests stay, waiting ones are admitted by priority, KV evictions recompute) with the benchmark server's budget,
 batch cap and KV cache, or ``--kv-capacity 0`` for unlimited memory (no recompute) to show what recompute
-preemption adds.  The chosen constant is the largest (least aging) whose worst latency is within ``--bound``
-times FCFS's in every seed.  No server runs: a quality measurement, not a timing one.
+preemption adds.  The chosen constant has the lowest mean latency among those whose worst latency is within
+``--bound`` times FCFS's in every seed.  No server runs: a quality measurement, not a timing one.
 
     .venv/bin/python scripts/bench_rank_aging.py out/ranker-ngram-all out/sg-heldout --cost-model cost.json \\
         --requests 600 --seeds 0,1,2,3,4 --agings 15,30,60,120,240,480 --out out/bench/rank-aging.json
@@ -94,7 +94,7 @@ def _command(args) -> str:
     chosen = choose_aging(rows, args.bound)
     said = "none holds it" if chosen is None else f"{chosen:g}"
     lines = table(rows) + [
-        f"chosen aging_s: {said} (the largest with worst latency <= {args.bound:g}x FCFS's)"
+        f"chosen aging_s: {said} (the lowest mean with worst latency <= {args.bound:g}x FCFS's)"
     ]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "cost_model": cost.__dict__,
             "config": config.__dict__, "traces": len(traces), "sim_s": time.time() - start, "chosen_aging_s": chosen,

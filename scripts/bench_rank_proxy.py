@@ -1,25 +1,31 @@
 """The ranking proxy in front of a real vLLM server, measured with vLLM's own benchmark client, beside the simulator.
 
 Run with the vLLM venv's python; the proxies run in the core venv (``--core-python``).  One server with
-``--scheduling-policy priority`` (a small KV cache and batch cap, so that requests queue); three arms against it,
-in alternating order from repeat to repeat:
+``--scheduling-policy priority`` (a small KV cache and batch cap, so that requests queue); the ``--arms`` against
+it, their order rotated from repeat to repeat (each arm in each position once every len(arms) repeats):
 
 * ``fcfs``: the client straight to the server (every request priority 0: arrival order, vLLM's FCFS);
-* ``ranker``: through ``python -m toolkit ranking proxy RANKER``, priority from the ngram ranker on the prompt;
+* ``ranker``: through ``python -m toolkit ranking proxy RANKER --aging-s 0``, priority from the ngram ranker on
+  the prompt, no aging;
+* ``ranker-aged``: the same proxy with ``--aging-s`` (the proxy's default): priority from the prediction and the
+  arrival time, so that no request starves;
 * ``oracle``: through the proxy with ``--oracle`` (priority = ``max_tokens``, which the client sets to the true
   reply length): the ceiling.
 
 The client runs ``--dataset-name sharegpt --dataset-path JSON --ignore-eos`` (each reply exactly its recorded
 length) at a burst (``inf``) and at Poisson rates, given in requests/s or as multiples of FCFS's request rate in
 the burst (``0.5x``: the server's saturated rate, so ``1.5x`` is past saturation).  Per arm and rate: mean / p50 /
-p90 end-to-end latency, failed requests, preemptions (the server's ``vllm:num_preemptions_total``) and the
-proxy's FCFS fallbacks (requests its ranker could not score), and the FCFS/arm ratios.
+p90 / p99 / max end-to-end latency pooled over the repeats, each with a 95% bootstrap interval (requests resampled
+within repeats resampled), failed requests, preemptions (the server's ``vllm:num_preemptions_total``), the proxy's
+FCFS fallbacks (requests its ranker could not score), and the FCFS/arm ratios of mean, p90 and max with paired
+bootstrap intervals (the same requests of a repeat in both arms).  The JSON (``--out``) is rewritten after every
+run, so a long measurement that is stopped keeps what it measured; the table goes beside it as ``.md``.
 
 Beside each measured ratio, the simulator's (``eval.serving.ranking.simulator``) for the same requests and send
-times, with the server's token budget, batch cap and KV cache, no starvation guard (vLLM has none), and a cost
-model measured on this very server first (``ranking calibrate --server``; or ``--cost-model JSON``).  The
-simulator preempts per iteration by priority; vLLM's priority scheduler admits waiting requests by priority but
-only preempts a running one for KV memory, so the two may differ where the batch cap binds.
+times, with the server's token budget, batch cap and KV cache, no starvation guard (vLLM has none), vLLM's
+preemption (``SimConfig(preemption="memory")``: running requests stay, waiting ones are admitted by priority, KV
+evictions recompute), the arm's aging, and a cost model measured on this very server first (``ranking calibrate
+--server``; or ``--cost-model JSON``).
 
     .venv/bin/python -m toolkit ranking labels MODEL --out out/sg-heldout --records heldout \\
         --sharegpt-json out/sg-heldout.json
@@ -50,25 +56,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import bench_serve as bs  # noqa: E402  (the servers, the client and its summary)
 
+from eval.serving.ranking.proxy import AGING_S  # noqa: E402
 from toolkit.cliargs import ArgumentParser, UsageError, add_out, existing_path, run  # noqa: E402
 
-ARMS = ("fcfs", "ranker", "oracle")
-POLICY = {"fcfs": "fcfs", "ranker": "ltr", "oracle": "oracle"}  # the simulator's name for each arm
+ARMS = ("fcfs", "ranker", "ranker-aged", "oracle")
+POLICY = {"fcfs": "fcfs", "ranker": "ltr", "ranker-aged": "ltr", "oracle": "oracle"}  # the simulator's names
+PROXY_OPTIONS = {
+    "ranker": ["--aging-s", "0"],
+    "oracle": ["--oracle", "--aging-s", "0"],
+}  # ranker-aged: --aging-s
+STATS = ("mean", "p50", "p90", "p99", "max")
+RATIOS = ("mean", "p90", "max")  # FCFS/arm, with paired intervals
 FALLBACK_MARKS = ("FCFS priority", "forwarded as is")  # the proxy's warnings for a request it did not score
-SMOKE = dict(num_prompts=6, rates=["inf"], repeats=1)
+SMOKE = dict(num_prompts=6, rates=["inf"], repeats=1, bootstrap=200)
 SMOKE_OUTPUT_LEN = 8  # tokens per reply in a smoke run, whatever the recorded length
 
 
-def start_proxy(args, server, work: Path, oracle: bool) -> tuple[subprocess.Popen, str, Path]:
-    """A proxy in the core venv in front of ``server``, its ranker loaded, warmed up by one completion (whose
-    priority a server without ``--scheduling-policy priority`` would refuse)."""
+def start_proxy(args, server, work: Path, arm: str) -> tuple[subprocess.Popen, str, Path]:
+    """The proxy of ``arm`` in the core venv in front of ``server``, its ranker loaded, warmed up by one completion
+    (whose priority a server without ``--scheduling-policy priority`` would refuse)."""
     upstream = server.url
     # the port held until the proxy listens on it (http.server binds with SO_REUSEADDR too)
     with contextlib.closing(bs._reserve_port()) as held:
         port = held.getsockname()[1]
         argv = [str(args.core_python), "-m", "toolkit", "ranking", "proxy", str(args.ranker)]
-        argv += ["--upstream", upstream, "--port", str(port)] + (["--oracle"] if oracle else [])
-        log = work / f"proxy-{'oracle' if oracle else 'ranker'}.log"
+        argv += ["--upstream", upstream, "--port", str(port)]
+        argv += PROXY_OPTIONS.get(arm, ["--aging-s", str(args.aging_s)])
+        log = work / f"proxy-{arm}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, not an installed copy
         with open(log, "w") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -116,11 +130,16 @@ def sampled_requests(args, flags: list[str]):
     return get_samples(bs.client_parser().parse_args(argv), get_tokenizer(str(args.model)))
 
 
-def simulated(run: dict, requests, scores, cost, config) -> dict:
-    """The simulator's latencies for one measured run: its requests, its send times, its arm's policy."""
+def simulated(run: dict, requests, scores, cost, config, aging_s: float | None = None) -> dict:
+    """The simulator's latencies for one measured run: its requests, its send times, its arm's policy (and the
+    proxy's aging for ``ranker-aged``)."""
+    from dataclasses import replace
+
     import numpy as np
 
     from eval.serving.ranking.simulator import simulate
+
+    config = replace(config, aging_s=aging_s if run["arm"] == "ranker-aged" else None)
 
     start = np.asarray(run["start_times"], float)
     order = np.argsort(start, kind="stable")
@@ -130,7 +149,8 @@ def simulated(run: dict, requests, scores, cost, config) -> dict:
     finish = simulate(arrival, prompt, output, np.asarray(scores)[order], POLICY[run["arm"]], cost, config)
     latency = finish - arrival
     return {f"sim_{k}_s": float(v) for k, v in
-            (("mean", latency.mean()), ("p50", np.median(latency)), ("p90", np.percentile(latency, 90)))}  # fmt: skip
+            (("mean", latency.mean()), ("p50", np.median(latency)), ("p90", np.percentile(latency, 90)),
+             ("max", latency.max()))}  # fmt: skip
 
 
 def calibrated_cost(args, server, work: Path) -> dict:
@@ -152,8 +172,16 @@ def calibrated_cost(args, server, work: Path) -> dict:
     return cost
 
 
-def measure(args, work: Path) -> dict:
-    """Start the server and the two proxies, calibrate, run every (repeat, rate, arm); the runs and meta."""
+def rotate(arms: list[str], repeat: int) -> list[str]:
+    """The arms' order in ``repeat``: rotated by one each repeat, so each arm runs in each position once every
+    len(arms) repeats (a warming machine or a slow spell does not favour one arm)."""
+    k = repeat % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def measure(args, work: Path, save=lambda runs, meta: None) -> dict:
+    """Start the server and the arms' proxies, calibrate, run every (repeat, rate, arm); the runs and meta.
+    ``save(runs, meta)`` is called after every run."""
     from eval.serving.ranking.predictors import Ranker
     from eval.serving.ranking.simulator import CostModel, SimConfig
 
@@ -168,22 +196,30 @@ def measure(args, work: Path) -> dict:
         contextlib.ExitStack() as stack,
     ):
         cost = calibrated_cost(args, server, work)  # before the proxies: nothing else runs on the server
-        config = SimConfig(args.max_num_batched_tokens, args.max_num_seqs, 10**9, 1, server.kv_tokens())
+        config = SimConfig(args.max_num_batched_tokens, args.max_num_seqs, 10**9, 1, server.kv_tokens(),
+                           preemption="memory")  # fmt: skip
         proxies = {}
-        for arm in ("ranker", "oracle"):
-            process, url, log = start_proxy(args, server, work, arm == "oracle")
-            stack.callback(process.wait, 30)
-            stack.callback(process.terminate)
-            proxies[arm] = (url, log)
+        for arm in args.arms:
+            if arm != "fcfs":
+                process, url, log = start_proxy(args, server, work, arm)
+                stack.callback(process.wait, 30)
+                stack.callback(process.terminate)
+                proxies[arm] = (url, log)
         targets = {"fcfs": server.url, **{arm: url for arm, (url, _) in proxies.items()}}
-        saturated = None  # FCFS's request rate in the burst: what "1x" means
+        meta = {
+            "engine": engine,
+            "kv_tokens": server.kv_tokens(),
+            "cost_model": cost,
+            "sim_config": config.__dict__,
+            "saturated_rps": None,
+        }  # fmt: skip  (FCFS's request rate in the burst: what "1x" means)
         for repeat in range(args.repeats):
             for spec in sorted(args.rates, key=lambda r: r != "inf"):
-                rate = bs._resolve(spec, saturated)
+                rate = bs._resolve(spec, meta["saturated_rps"])
                 flags = client_flags(args, rate, repeat)
                 requests = sampled_requests(args, flags)
                 scores = ranker.score([r.prompt for r in requests])
-                for arm in bs.interleave(list(ARMS), repeat):
+                for arm in rotate(args.arms, repeat):
                     marks = _fallbacks(proxies[arm][1]) if arm in proxies else 0
                     before = server.counters()
                     target = types.SimpleNamespace(url=targets[arm], name=server.name, model=server.model)
@@ -195,17 +231,19 @@ def measure(args, work: Path) -> dict:
                         )
                     run = {"arm": arm, "rate": spec, "rate_rps": rate, "repeat": repeat, **bs.summary(result),
                            "start_times": result["start_times"], "command": bs.client_command(argv),
+                           "latencies_s": [x if not e else None for x, e in zip(result["latencies"], result["errors"], strict=True)],
                            "preemptions": after[bs.COUNTERS[0]] - before[bs.COUNTERS[0]],
                            "proxy_fallbacks": _fallbacks(proxies[arm][1]) - marks if arm in proxies else 0}  # fmt: skip
-                    run.update(simulated(run, requests, scores, CostModel.from_dict(cost), config))
+                    run.update(
+                        simulated(run, requests, scores, CostModel.from_dict(cost), config, args.aging_s)
+                    )
                     runs.append(run)
                     print(f"{spec} {arm}: mean {run['mean_e2el_ms'] / 1e3:.1f} s (simulated {run['sim_mean_s']:.1f}),"
-                          f" p90 {run['p90_e2el_ms'] / 1e3:.1f} s, failed {run['failed']}, preemptions "
-                          f"{run['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
-                    if spec == "inf" and arm == "fcfs" and saturated is None:
-                        saturated = result["request_throughput"]
-        meta = {"engine": engine, "kv_tokens": server.kv_tokens(), "cost_model": cost, "sim_config": config.__dict__,
-                "saturated_rps": saturated}  # fmt: skip
+                          f" p90 {run['p90_e2el_ms'] / 1e3:.1f} s, max {max(filter(None, run['latencies_s']), default=0):.1f} s, "
+                          f"failed {run['failed']}, preemptions {run['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
+                    if spec == "inf" and arm == "fcfs" and meta["saturated_rps"] is None:
+                        meta["saturated_rps"] = result["request_throughput"]
+                    save(runs, meta)
     return {"meta": meta, "runs": runs}
 
 
@@ -216,25 +254,124 @@ def _fallbacks(log: Path) -> int:
     )
 
 
-def table(args, runs: list[dict]) -> list[str]:
-    """Medians over repeats per rate and arm, the FCFS/arm ratios measured and simulated."""
-    lines = ["| rate | arm | mean s | p50 s | p90 s | FCFS/arm mean | sim | FCFS/arm p90 | sim | preemptions | failed "
-             "| proxy fallbacks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    keys = ("mean_e2el_ms", "p50_e2el_ms", "p90_e2el_ms", "sim_mean_s", "sim_p90_s", "preemptions", "failed",
-            "proxy_fallbacks")  # fmt: skip
-    for spec in sorted(args.rates, key=lambda r: r != "inf"):
-        med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm and r["rate"] == spec) for k in keys}
-               for arm in ARMS}  # fmt: skip
-        fcfs = med["fcfs"]
-        for arm, m in med.items():
-            lines.append(
-                f"| {spec} | {arm} | {m['mean_e2el_ms'] / 1e3:.1f} | {m['p50_e2el_ms'] / 1e3:.1f} | "
-                f"{m['p90_e2el_ms'] / 1e3:.1f} | {fcfs['mean_e2el_ms'] / m['mean_e2el_ms']:.2f}x | "
-                f"{fcfs['sim_mean_s'] / m['sim_mean_s']:.2f}x | {fcfs['p90_e2el_ms'] / m['p90_e2el_ms']:.2f}x | "
-                f"{fcfs['sim_p90_s'] / m['sim_p90_s']:.2f}x | {m['preemptions']:.0f} | {m['failed']:.0f} | "
-                f"{m['proxy_fallbacks']:.0f} |"
-            )
+def _stat(name: str):
+    """The statistic ``name`` of STATS over latencies with NaN for failed requests."""
+    import numpy as np
+
+    if name == "mean":
+        return np.nanmean
+    if name == "max":
+        return np.nanmax
+    q = float(name[1:])
+    return lambda x: np.nanpercentile(x, q)
+
+
+def bootstrap(
+    groups: list, stat, paired: list | None = None, n: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``stat`` of the pooled ``groups`` (one latency array per repeat) and its 95% interval: repeats resampled,
+    then requests within each; with ``paired`` (the same requests of each repeat in another arm), the ratio
+    ``stat(paired) / stat(groups)`` on the same resampled requests."""
+    import numpy as np
+
+    groups = [np.asarray(g, float) for g in groups]
+    others = [np.asarray(g, float) for g in paired] if paired is not None else None
+
+    def value(a, b):
+        return stat(b) / stat(a) if b is not None else stat(a)
+
+    point = value(np.concatenate(groups), None if others is None else np.concatenate(others))
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(n):
+        reps = rng.integers(0, len(groups), len(groups))
+        idx = [rng.integers(0, len(groups[r]), len(groups[r])) for r in reps]
+        a = np.concatenate([groups[r][i] for r, i in zip(reps, idx, strict=True)])
+        b = None if others is None else np.concatenate([others[r][i] for r, i in zip(reps, idx, strict=True)])
+        draws.append(value(a, b))
+    lo, hi = np.nanpercentile(draws, [2.5, 97.5])
+    return float(point), float(lo), float(hi)
+
+
+def summarize(args, runs: list[dict]) -> list[dict]:
+    """Per rate and arm: STATS of the latencies pooled over repeats, FCFS/arm RATIOS (paired, by repeat), each
+    with its bootstrap interval; the simulator's mean and max ratios (medians over repeats); counters summed."""
+    import numpy as np
+
+    rows = []
+    for spec in sorted(dict.fromkeys(r["rate"] for r in runs), key=lambda r: r != "inf"):
+        by = {
+            arm: {r["repeat"]: r for r in runs if r["arm"] == arm and r["rate"] == spec} for arm in args.arms
+        }
+
+        def latencies(arm: str, repeats, by=by) -> list[list[float]]:
+            return [[np.nan if x is None else x for x in by[arm][k]["latencies_s"]] for k in repeats]
+
+        for arm, mine in by.items():
+            if not mine:
+                continue
+            row = {"rate": spec, "arm": arm, "repeats": len(mine),
+                   "requests": sum(len(r["latencies_s"]) for r in mine.values()),
+                   **{k: sum(r[k] for r in mine.values()) for k in ("failed", "preemptions", "proxy_fallbacks")}}  # fmt: skip
+            for name in STATS:
+                row[f"{name}_s"] = bootstrap(latencies(arm, sorted(mine)), _stat(name), n=args.bootstrap)
+            shared = sorted(set(mine) & set(by["fcfs"]))
+            if arm != "fcfs" and shared:
+                base, own = latencies("fcfs", shared), latencies(arm, shared)
+                for name in RATIOS:
+                    row[f"fcfs_over_arm_{name}"] = bootstrap(own, _stat(name), base, args.bootstrap)
+                for name in ("mean", "max"):
+                    key = f"sim_{name}_s"
+                    row[f"sim_fcfs_over_arm_{name}"] = statistics.median(
+                        by["fcfs"][k][key] / mine[k][key] for k in shared
+                    )
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The rows of :func:`summarize` as markdown: latencies with [95% interval], FCFS/arm ratios beside the
+    simulator's."""
+
+    def ci(v, unit=""):
+        return (
+            f"{v[0]:.1f}{unit} [{v[1]:.1f}, {v[2]:.1f}]"
+            if unit == ""
+            else f"{v[0]:.2f}x [{v[1]:.2f}, {v[2]:.2f}]"
+        )
+
+    lines = ["| rate | arm | runs × requests | mean s | p50 s | p90 s | p99 s | max s | FCFS/arm mean (sim) | "
+             "FCFS/arm p90 | FCFS/arm max (sim) | preemptions | failed | proxy fallbacks |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        ratios = " | ".join(
+            (ci(r[f"fcfs_over_arm_{k}"], "x") + (f" ({r[f'sim_fcfs_over_arm_{k}']:.2f}x)" if k != "p90" else ""))
+            if f"fcfs_over_arm_{k}" in r else "1.00x" for k in RATIOS)  # fmt: skip
+        lines.append(f"| {r['rate']} | {r['arm']} | {r['repeats']} × {r['requests'] // r['repeats']} | "
+                     + " | ".join(ci(r[f"{k}_s"]) for k in STATS)
+                     + f" | {ratios} | {r['preemptions']:.0f} | {r['failed']:.0f} | {r['proxy_fallbacks']:.0f} |")  # fmt: skip
     return lines
+
+
+def _arms(text: str) -> list[str]:
+    """argparse type: a comma list of ARMS, each once."""
+    arms = [a.strip() for a in text.split(",") if a.strip()]
+    if not arms or len(set(arms)) < len(arms) or not set(arms) <= set(ARMS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma list of distinct arms among {', '.join(ARMS)}"
+        )
+    return arms
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -252,7 +389,20 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--num-prompts", type=_positive, default=100)
     p.add_argument("--rates", type=bs.rate_list, default=["inf", "0.5x", "1x", "1.5x", "2x"],
                    help="requests/s, inf (a burst) or multiples of FCFS's burst rate like 1.5x (default inf,0.5x,1x,1.5x,2x)")  # fmt: skip
-    p.add_argument("--repeats", type=_positive, default=1)
+    p.add_argument("--repeats", type=_positive, default=3, help="arm order rotated from repeat to repeat")
+    p.add_argument(
+        "--arms",
+        type=_arms,
+        default=list(ARMS),
+        help=f"comma separated, fcfs among them (default {','.join(ARMS)})",
+    )
+    p.add_argument(
+        "--aging-s",
+        type=_seconds,
+        default=AGING_S,
+        help=f"the ranker-aged arm's proxy --aging-s (default {AGING_S:g})",
+    )
+    p.add_argument("--bootstrap", type=_positive, default=2000, help="bootstrap resamples per interval")
     p.add_argument("--seed", type=int, default=0, help="the client's sampling and arrivals; + repeat")
     p.add_argument("--kv-cache-mib", type=_positive, default=160, help="small, so that requests queue")
     p.add_argument("--max-num-seqs", type=_positive, default=16)
@@ -275,22 +425,32 @@ def _command(args) -> str:
         raise UsageError(
             f"{args.core_python} not found (to resolve, pass --core-python CORE_VENV/bin/python)"
         )
+    if "fcfs" not in args.arms:
+        raise UsageError("the ratios are FCFS's over each arm's (to resolve, keep fcfs in --arms)")
     if any(r.endswith("x") for r in args.rates) and "inf" not in args.rates:
         raise UsageError("rates like 1.5x are multiples of the burst's rate (to resolve, add inf to --rates)")
     # `timeout` and kill: unwind, stopping the server and the proxies
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="rank-proxy-", dir="/tmp"))  # vLLM's ipc sockets: a short path
     try:
-        result = measure(args, work)
+        result = measure(args, work, lambda runs, meta: save(args, runs, meta))
     except BaseException:
         print(f"server, proxy and client logs kept in {work}", file=sys.stderr)
         raise
     shutil.rmtree(work, ignore_errors=True)
-    lines = table(args, result["runs"])
+    lines = save(args, result["runs"], result["meta"])
+    return "\n".join(lines) + f"\nwrote {args.out} and {args.out.with_suffix('.md')}"
+
+
+def save(args, runs: list[dict], run_meta: dict) -> list[str]:
+    """The JSON (meta, runs, summary rows, table) and the table as ``.md`` beside it; the table's lines."""
+    rows = summarize(args, runs) if runs else []
+    lines = table(rows)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "load_average": os.getloadavg(),
-            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **result["meta"]}  # fmt: skip
-    bs.write_json(args.out, {"meta": meta, "runs": result["runs"], "table": lines})
-    return "\n".join(lines) + f"\nwrote {args.out}"
+            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **run_meta}  # fmt: skip
+    bs.write_json(args.out, {"meta": meta, "runs": runs, "summary": rows, "table": lines})
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,15 +54,17 @@ def test_bad_input_is_refused_in_one_line(tmp_path, extra, message):
 
 def test_each_arm_is_simulated_with_its_own_policy():
     """A burst of one long request first and four short ones: FCFS serves the long one first, the ranker (whose
-    scores here say the opposite of the truth) last-first, the oracle shortest first."""
+    scores here say the opposite of the truth) last-first, the oracle shortest first; the aged ranker with an
+    aging far shorter than the run is FCFS again."""
     from eval.serving.ranking.simulator import CostModel, SimConfig
 
     requests = [types.SimpleNamespace(prompt_len=10, expected_output_len=n) for n in (200, 5, 5, 5, 5)]
     wrong_scores = [1.0, -1.0, -1.0, -1.0, -1.0]  # higher = shorter: the long one ranked shortest
     config = SimConfig(token_budget=64, max_batch=1, starvation_threshold=10**9, quantum=1)
+    starts = [5.0, 5.1, 5.2, 5.3, 5.4]
     sims = {
         arm: brp.simulated(
-            {"arm": arm, "start_times": [5.0] * 5}, requests, wrong_scores, CostModel(), config
+            {"arm": arm, "start_times": starts}, requests, wrong_scores, CostModel(), config, 1e-4
         )
         for arm in brp.ARMS
     }
@@ -71,20 +73,52 @@ def test_each_arm_is_simulated_with_its_own_policy():
         < sims["fcfs"]["sim_mean_s"]
         == pytest.approx(sims["ranker"]["sim_mean_s"])
     )
-    assert sims["oracle"]["sim_p50_s"] < sims["oracle"]["sim_p90_s"]
+    assert sims["ranker-aged"]["sim_mean_s"] == pytest.approx(sims["fcfs"]["sim_mean_s"])
+    assert sims["oracle"]["sim_p50_s"] < sims["oracle"]["sim_p90_s"] <= sims["oracle"]["sim_max_s"]
 
 
-def test_table_ratios_are_fcfs_over_arm():
-    runs = [
-        {"arm": arm, "rate": "inf", "mean_e2el_ms": mean * 1e3, "p50_e2el_ms": 1e3, "p90_e2el_ms": p90 * 1e3,
-         "sim_mean_s": sim, "sim_p90_s": sim, "preemptions": 3.0, "failed": 0, "proxy_fallbacks": 0}
-        for arm, mean, p90, sim in (("fcfs", 20, 40, 10), ("ranker", 10, 40, 8), ("oracle", 8, 50, 5))
-    ]  # fmt: skip
-    lines = brp.table(types.SimpleNamespace(rates=["inf"]), runs)
-    ranker = next(line for line in lines if "| ranker |" in line).split("|")
-    oracle = next(line for line in lines if "| oracle |" in line).split("|")
-    assert [c.strip() for c in ranker[6:10]] == ["2.00x", "1.25x", "1.00x", "1.25x"]
-    assert [c.strip() for c in oracle[6:10]] == ["2.50x", "2.00x", "0.80x", "2.00x"]
+def test_arm_order_rotates_through_every_position():
+    arms = list(brp.ARMS)
+    orders = [brp.rotate(arms, r) for r in range(len(arms))]
+    for position in range(len(arms)):
+        assert sorted(order[position] for order in orders) == sorted(arms)
+    assert brp.rotate(arms, len(arms)) == arms
+
+
+def test_summary_pools_repeats_with_bootstrap_intervals():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = [rng.exponential(20.0, 50) for _ in range(3)]
+    runs = []
+    for repeat, lat in enumerate(base):
+        for arm, factor in (("fcfs", 1.0), ("ranker", 0.5), ("oracle", 0.25)):
+            latencies = list(lat * factor)
+            if arm == "ranker" and repeat == 0:
+                latencies[0] = None  # a failed request
+            runs.append({"arm": arm, "rate": "inf", "repeat": repeat, "latencies_s": latencies, "failed": 0,
+                         "preemptions": 1.0, "proxy_fallbacks": 0, "sim_mean_s": 10.0 * factor,
+                         "sim_max_s": 30.0 * factor})  # fmt: skip
+    args = types.SimpleNamespace(arms=["fcfs", "ranker", "oracle"], bootstrap=300)
+    rows = {r["arm"]: r for r in brp.summarize(args, runs)}
+    pooled = np.concatenate(base)
+    assert rows["fcfs"]["mean_s"][0] == pytest.approx(pooled.mean())
+    assert rows["fcfs"]["max_s"][0] == pytest.approx(pooled.max())
+    assert rows["fcfs"]["p99_s"][0] == pytest.approx(np.percentile(pooled, 99))
+    for name in brp.STATS:
+        point, lo, hi = rows["fcfs"][f"{name}_s"]
+        assert lo <= point <= hi
+    point, lo, hi = rows["oracle"]["fcfs_over_arm_mean"]
+    assert (
+        point == pytest.approx(4.0) and lo == pytest.approx(4.0) and hi == pytest.approx(4.0)
+    )  # paired: exact
+    assert rows["ranker"]["fcfs_over_arm_max"][0] == pytest.approx(2.0)
+    assert rows["ranker"]["requests"] == 150 and rows["ranker"]["sim_fcfs_over_arm_mean"] == pytest.approx(
+        2.0
+    )
+    lines = brp.table(list(rows.values()))
+    oracle = next(line for line in lines if "| oracle |" in line).split(" | ")
+    assert oracle[2] == "3 × 50" and oracle[8] == "4.00x [4.00, 4.00] (4.00x)"
 
 
 @pytest.mark.slow
@@ -122,9 +156,10 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [r["arm"] for r in result["runs"]] == list(brp.ARMS)
+    assert len(result["summary"]) == len(brp.ARMS) and out.with_suffix(".md").is_file()
     for r in result["runs"]:
         assert r["completed"] == 6 and r["failed"] == 0 and r["output_lens"] == [brp.SMOKE_OUTPUT_LEN] * 6
         assert r["proxy_fallbacks"] == 0 and r["sim_mean_s"] > 0
     cost = result["meta"]["cost_model"]
     assert cost["source"] == "vllm-server" and cost["base"] > 0 and result["meta"]["kv_tokens"] > 0
-    assert len(result["table"]) == 2 + 3 and "--scheduling-policy" in result["meta"]["engine"]
+    assert len(result["table"]) == 2 + len(brp.ARMS) and "--scheduling-policy" in result["meta"]["engine"]

@@ -224,6 +224,13 @@ def test_aging_sweep_and_choice():
         assert by[seed, 1e9, "ltr"]["max_s"] == pytest.approx(by[seed, None, "ltr"]["max_s"])
         assert by[seed, 5.0, "ltr"]["max_s"] <= by[seed, None, "ltr"]["max_s"]
         assert by[seed, None, "ltr"]["mean_s"] < by[seed, None, "fcfs"]["mean_s"]
+
+    def mean(aging):
+        return np.mean([by[s, aging, "ltr"]["mean_s"] for s in (0, 1)])
+
     worst = max(by[s, None, "ltr"]["max_s"] / by[s, None, "fcfs"]["max_s"] for s in (0, 1))
-    assert choose_aging(rows, bound=worst + 1) == 1e9  # the least aging when that holds the bound
+    assert choose_aging(rows, bound=worst + 1) == min((5.0, 1e9), key=mean)  # both hold it: the lower mean
+    strong = max(by[s, 5.0, "ltr"]["max_s"] / by[s, None, "fcfs"]["max_s"] for s in (0, 1))
+    if strong < worst:  # a bound only the strong aging holds
+        assert choose_aging(rows, bound=(strong + worst) / 2) == 5.0
     assert choose_aging(rows, bound=0.5) is None
