@@ -96,9 +96,9 @@ def _command(args) -> str:
     lines = table(rows) + [
         f"chosen aging_s: {said} (the lowest mean with worst latency <= {args.bound:g}x FCFS's)"
     ]
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "cost_model": cost.__dict__,
-            "config": config.__dict__, "traces": len(traces), "sim_s": time.time() - start, "chosen_aging_s": chosen,
-            **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}  # fmt: skip
+    meta = {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "cost_model": cost.__dict__,
+            "config": config.__dict__, "traces": len(traces), "sim_s": time.time() - start, "chosen_aging_s": chosen}  # fmt: skip
     write_json_atomic(args.out, {"meta": meta, "rows": rows, "table": lines})
     return "\n".join(lines) + f"\nwrote {args.out} ({meta['sim_s']:.0f} s of simulation)"
 
