@@ -41,7 +41,7 @@ from .factors import (
     model_signature,
     save_factors,
 )
-from .policy import Policy
+from .policy import Policy, scales_pair
 
 
 class MomentLayer(DynamicLayer):
@@ -190,6 +190,7 @@ def calibrate(
     max_length: int = 2048,
     rank_budget: float = 0.25,
     bits: Sequence[int | None] = (8, 4, 2),
+    scales: str = "tt",
     sinks: int = 4,
     window: int = 64,
     block: int = 32,
@@ -212,7 +213,13 @@ def calibrate(
         )
     config = AutoConfig.from_pretrained(model_dir)
     policy = Policy.from_budget(
-        rank_budget, list(bits), model_signature(config)["head_dim"], sinks=sinks, window=window, block=block
+        rank_budget,
+        list(bits),
+        model_signature(config)["head_dim"],
+        scales=scales_pair(scales),
+        sinks=sinks,
+        window=window,
+        block=block,
     )
     check_destination(out_dir, force)
     resolve_data_path(data)
@@ -253,6 +260,7 @@ def calibrate(
             source=str(model_dir),
             rank_budget=rank_budget,
             bits=list(bits),
+            scales=scales,
             **options,
         )
     partial.unlink(missing_ok=True)

@@ -44,6 +44,11 @@ def build_parser() -> ArgumentParser:
     cal.add_argument(
         "--bits", type=int_list, default=[8, 4, 2], help="bit width per tier, most significant first"
     )
+    cal.add_argument(
+        "--scales",
+        default="tt",
+        help="key and value scales of every tier: t per token, c per channel over groups of tokens (default: tt)",
+    )
     cal.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept exact (default: 4)")
     cal.add_argument("--window", type=int, default=64, help="recent tokens kept exact (default: 64)")
     cal.add_argument(
@@ -54,7 +59,7 @@ def build_parser() -> ArgumentParser:
 
 
 # keyword options of calibrate(), named as on the command line
-OPTIONS = ("data", "max_length", "rank_budget", "bits", "sinks", "window", "block", "force")
+OPTIONS = ("data", "max_length", "rank_budget", "bits", "scales", "sinks", "window", "block", "force")
 
 
 def _calibrate(args) -> str:

@@ -38,7 +38,7 @@ from .attention import enable_tale
 from .cache import OBSERVED_QUERIES, TaleCache
 from .calibrate import chat_sequences
 from .factors import Factors, identity_factors
-from .policy import Policy, Tier, uniform_policy
+from .policy import Policy, Tier, scales_pair, uniform_policy
 
 
 def make_method(
@@ -87,19 +87,11 @@ def make_method(
     return lambda: TaleCache(factors, policy, model.config, model=model)
 
 
-SCALE_LETTERS = {"t": "token", "c": "channel"}
-
-
 def scales_options(args: list[str]) -> dict:
     """``["ct", "64", "16"]`` (key/value scale letters, token group, rank group) as ``Policy`` keywords."""
     if not args:
         return {}
-    letters = args[0]
-    if len(letters) != 2 or any(c not in SCALE_LETTERS for c in letters):
-        raise ValueError(
-            f"scales {letters!r}: to resolve, give two letters of t (per token) and c (per channel), keys first"
-        )
-    out: dict = {"scales": (SCALE_LETTERS[letters[0]], SCALE_LETTERS[letters[1]])}
+    out: dict = {"scales": scales_pair(args[0])}
     if len(args) > 1:
         out["token_group"] = int(args[1])
     if len(args) > 2:

@@ -180,6 +180,18 @@ class Policy(BaseModel):
         return f"sinks={self.sinks} window={self.window} [{tiers}]"
 
 
+SCALE_LETTERS = {"t": "token", "c": "channel"}
+
+
+def scales_pair(letters: str) -> tuple[Scales, Scales]:
+    """``"ct"`` -> ``("channel", "token")``: key then value scales, ``t`` per token, ``c`` per channel."""
+    if len(letters) != 2 or any(c not in SCALE_LETTERS for c in letters):
+        raise ValueError(
+            f"scales {letters!r}: to resolve, give two letters of t (per token) and c (per channel), keys first"
+        )
+    return SCALE_LETTERS[letters[0]], SCALE_LETTERS[letters[1]]
+
+
 def _scales_tag(tier: Tier) -> str:
     """``""`` for per-token scales of both K and V, else e.g. ``"[K ch, V tok]"``."""
     if tier.k_scales == tier.v_scales == "token":
