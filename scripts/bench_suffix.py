@@ -7,7 +7,7 @@ The suffix caches persist across requests, so the global tree holds earlier resp
 
 ``streams`` times the cache alone (no model) on three kinds of synthetic copy-heavy token streams (200- and
 2,000-token prompts of a repeated motif, and ``agentic``: tasks refined round after round, each prompt holding the
-earlier answers): the pure-Python tree, the numba-compiled one (when numba is installed) and the C++ reference
+earlier answers): our tree (``compiled``: numba kernels) and the C++ reference
 (arctic-inference 0.3.0's SuffixDecodingCache, built outside the repository; ``--reference DIR`` or
 SUFFIX_REFERENCE_PATH names the folder holding ``arctic_inference/``; its column is skipped, saying so, when
 absent).  All caches see the same streams (a draft's tokens are accepted while they equal the stream, plus one),
@@ -206,23 +206,15 @@ def reference_cache_class(path: str | None):
     return SuffixDecodingCache
 
 
-STREAM_CACHES = ("python", "compiled", "reference")
+STREAM_CACHES = ("compiled", "reference")
 TIMED = ("us_per_setup", "us_per_prompt_token", "us_per_appended_token", "us_per_speculate", "us_per_finish")
 
 
 def stream_caches(args) -> dict:
-    """Makers of the caches to time, by name: the pure-Python tree, the compiled one (when numba is installed,
-    its kernels loaded here, outside the timing) and the reference (when built); says which are left out."""
-    from eval.serving.suffix.cache import compiled_available
-
-    makers = {"python": lambda: SuffixCache(SpecConfig(), compiled=False)}
-    if compiled_available():
-        makers["compiled"] = lambda: SuffixCache(SpecConfig(), compiled=True)
-        drive_request(makers["compiled"](), 0, *synthetic_streams(1)[0], False, dict.fromkeys(ACC_KEYS, 0))
-    else:
-        print(
-            "numba is not installed: only the pure-Python tree runs (pip install '.[fast]')", file=sys.stderr
-        )
+    """Makers of the caches to time, by name: ours (its kernels loaded here, outside the timing) and the
+    reference (when built); says which are left out."""
+    makers = {"compiled": lambda: SuffixCache(SpecConfig())}
+    drive_request(makers["compiled"](), 0, *synthetic_streams(1)[0], False, dict.fromkeys(ACC_KEYS, 0))
     ref_cls = reference_cache_class(args.reference)
     if ref_cls is not None:
         makers["reference"] = lambda: ref_cls(SpecConfig().max_depth, SpecConfig().max_cached_requests)
@@ -243,7 +235,7 @@ def measure_stream_kind(makers: dict, streams, repeats: int) -> dict:
         caches = {name: make() for name, make in makers.items()}
         accs = {name: dict.fromkeys(ACC_KEYS, 0) for name in names}
         gc.collect()
-        gc.disable()  # as timeit does: the pure-Python tree's objects make collections land on any cache's step
+        gc.disable()  # as timeit does: a collection would land on whichever cache's step comes next
         for r, (prompt, response) in enumerate(streams):
             k = (r + rep) % len(names)
             for name in names[k:] + names[:k]:

@@ -18,7 +18,7 @@ fi
 # CPU torch first: installed alone it takes the local CPU wheel; otherwise deepspeed pulls a CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
 if ! .venv/bin/python -c "import toolkit, swiftkv, lm_eval, deepspeed, numba, tensorboard" 2>/dev/null || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/python -m pip install -q -c <(echo torch==2.13.0) -e ".[dev,fast,tensorboard]"
+  .venv/bin/python -m pip install -q -c <(echo torch==2.13.0) -e ".[dev,tensorboard]"
   touch .venv/.installed
 fi
 .venv/bin/swiftkv fetch all >/dev/null

@@ -18,7 +18,7 @@ VLLM_PYTHON = ROOT / VLLM_VENV_PYTHON
 # fixture -> the marker every test using it (directly or through another fixture) must carry
 MARKED_FIXTURES = {"smollm2": "smollm2", "sharegpt": "smollm2", "vllm_python": "vllm"}
 
-# Under CI=true a skip fails the run unless its reason is listed here: a missing optional extra (numba), a
+# Under CI=true a skip fails the run unless its reason is listed here: a missing optional extra (tensorboard), a
 # broken import (DeepSpeed) or a new skip must not let CI pass by testing less.  Keep the list short.
 # the C++ suffix-tree reference (arctic-inference's) is built outside the repository, never by CI (docs/serving.md)
 NO_SUFFIX_REFERENCE = "SUFFIX_REFERENCE_PATH is not set (the C++ reference is built outside the repository)"

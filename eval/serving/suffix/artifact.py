@@ -15,19 +15,18 @@ checked on load; a tree file whose hash or structure does not check out is refus
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
-from array import array
-from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
-from .cache import SpecConfig, SuffixCache, tree_class
-from .tree import SuffixTree, _Group, _Node
+from .cache import SpecConfig, SuffixCache
+
+if TYPE_CHECKING:
+    from .tree import SuffixTree
 
 FORMAT = "swiftkv-suffix-cache"
 VERSION = 2
@@ -53,62 +52,24 @@ def tree_to_arrays(tree: SuffixTree, order: list[int]) -> dict[str, Any]:
     """
     import numpy as np
 
-    arrays: list[array] = [tree.seqs[i] for i in order]
+    arrays = [np.asarray(tree.seqs[i], dtype=np.int32) for i in order]
     offsets = np.cumsum([0] + [len(a) for a in arrays], dtype=np.int64)
-    tokens = (
-        np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays]) if arrays else np.zeros(0, np.int32)
-    )
-    common = {
+    columns, ep_rows = tree.to_arrays(order)
+    return {
         "max_depth": np.int64(tree.max_depth),
         "seq_ids": np.array(order, dtype=np.int64),
         "offsets": offsets,
-        "tokens": tokens.astype(np.int32),
-    }
-    if not isinstance(tree, SuffixTree):  # the compiled ArrayTree flattens itself
-        columns, ep_rows = tree.to_arrays(order)
-        names = ("parent", "count", "length", "ref", "end")
-        return {
-            **common,
-            **{k: columns[:, i].copy() for i, k in enumerate(names)},
-            **{
-                k: ep_rows[:, i].copy()
-                for i, k in enumerate(("endpoint_node", "endpoint_seq", "endpoint_end"))
-            },
-        }
-    index = {seq_id: k for k, seq_id in enumerate(order)}
-    parent, count, length, ref, end = [-1], [tree.root.count], [0], [-1], [0]
-    ep_node, ep_seq, ep_end = [], [], []
-    queue: deque[tuple[_Node, int]] = deque([(tree.root, 0)])
-    while queue:
-        node, idx = queue.popleft()
-        for seq_id, e in node.endpoints.items():
-            ep_node.append(idx)
-            ep_seq.append(index[seq_id])
-            ep_end.append(e)
-        for child in node.ordered_children():
-            parent.append(idx)
-            count.append(child.count)
-            length.append(child.length)
-            ref.append(index[child.ref_id])
-            end.append(child.end)
-            queue.append((child, len(parent) - 1))
-    return {
-        **common,
-        "parent": np.array(parent, dtype=np.int64),
-        "count": np.array(count, dtype=np.int64),
-        "length": np.array(length, dtype=np.int64),
-        "ref": np.array(ref, dtype=np.int64),
-        "end": np.array(end, dtype=np.int64),
-        "endpoint_node": np.array(ep_node, dtype=np.int64),
-        "endpoint_seq": np.array(ep_seq, dtype=np.int64),
-        "endpoint_end": np.array(ep_end, dtype=np.int64),
+        "tokens": np.concatenate(arrays) if arrays else np.zeros(0, np.int32),
+        **{k: columns[:, i].copy() for i, k in enumerate(("parent", "count", "length", "ref", "end"))},
+        **{k: ep_rows[:, i].copy() for i, k in enumerate(("endpoint_node", "endpoint_seq", "endpoint_end"))},
     }
 
 
-def tree_from_arrays(data: dict[str, Any], compiled: bool = False) -> SuffixTree:
-    """Inverse of :func:`tree_to_arrays` (a compiled ArrayTree with ``compiled``); raises ValueError on any
-    inconsistency (checked vectorized first)."""
+def tree_from_arrays(data: dict[str, Any]) -> SuffixTree:
+    """Inverse of :func:`tree_to_arrays`; raises ValueError on any inconsistency (checked vectorized first)."""
     import numpy as np
+
+    from .tree import SuffixTree
 
     offsets, tokens = data["offsets"], data["tokens"]
     parent, count, length, ref, end = (data[k][1:] for k in ("parent", "count", "length", "ref", "end"))
@@ -126,58 +87,16 @@ def tree_from_arrays(data: dict[str, Any], compiled: bool = False) -> SuffixTree
     ):
         raise ValueError("endpoint table is inconsistent")
     first = tokens[offsets[ref] + end - length] if n_nodes else np.zeros(0, np.int32)
-    if compiled:
-        from .fast import ArrayTree
-
-        columns = np.stack([data[k] for k in ("parent", "count", "length", "ref", "end")], axis=1)
-        return ArrayTree.from_arrays(
-            int(data["max_depth"]),
-            data["seq_ids"].tolist(),
-            offsets,
-            tokens,
-            np.ascontiguousarray(columns, np.int64),
-            np.concatenate([[0], first]).astype(np.int64),
-            np.stack([ep_node, ep_seq, ep_end], axis=1).astype(np.int64).reshape(-1, 3),
-        )
-    first = first.tolist()
-    arrays = [
-        array("i", tokens[a:b].astype("int32").tobytes())
-        for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-    ]
-    tree = SuffixTree(int(data["max_depth"]))
-    seq_ids = data["seq_ids"].tolist()
-    tree.seqs = dict(zip(seq_ids, arrays, strict=True))
-    tree.root.count = int(data["count"][0])
-    nodes = [tree.root]
-    columns = (parent.tolist(), count.tolist(), length.tolist(), ref.tolist(), end.tolist(), first)
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # millions of new container objects would trigger repeated, ever longer collections (~3x slower)
-    try:
-        for p, c, n, r, e, t in zip(*columns, strict=True):
-            up = nodes[p]
-            node = _Node(c, n, arrays[r], seq_ids[r], e, up)
-            up.children[t] = node
-            last = up.tail
-            if last is None:
-                up.head = node
-                node.group = _Group(node)
-            else:
-                if last.count < c:
-                    raise ValueError(f"node {len(nodes)} is out of count order")
-                last.next, node.prev = node, last
-                if last.count == c:
-                    node.group = last.group
-                else:
-                    node.group = _Group(node)
-                    node.group.prev, last.group.next = last.group, node.group
-            up.tail = node
-            nodes.append(node)
-        for k, s, e in zip(ep_node.tolist(), ep_seq.tolist(), ep_end.tolist(), strict=True):
-            nodes[k].endpoints[seq_ids[s]] = e
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return tree
+    columns = np.stack([data[k] for k in ("parent", "count", "length", "ref", "end")], axis=1)
+    return SuffixTree.from_arrays(
+        int(data["max_depth"]),
+        data["seq_ids"].tolist(),
+        offsets,
+        tokens,
+        np.ascontiguousarray(columns, np.int64),
+        np.concatenate([[0], first]).astype(np.int64),
+        np.stack([ep_node, ep_seq, ep_end], axis=1).astype(np.int64).reshape(-1, 3),
+    )
 
 
 def save_cache(
@@ -223,13 +142,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_cache(
-    path: str | os.PathLike, tokenizer=None, config: SpecConfig | None = None, compiled: bool | None = None
-) -> SuffixCache:
+def load_cache(path: str | os.PathLike, tokenizer=None, config: SpecConfig | None = None) -> SuffixCache:
     """Load a cache; with ``tokenizer``, refuse one built with another tokenizer.
 
-    ``config`` overrides the stored speculation settings (its ``max_depth`` must equal the stored one);
-    ``compiled`` picks the tree kind as in :class:`SuffixCache` (the file format is the same for both).
+    ``config`` overrides the stored speculation settings (its ``max_depth`` must equal the stored one).
     """
     import numpy as np
 
@@ -250,7 +166,7 @@ def load_cache(
         )
     try:
         with np.load(tree_path) as data:
-            tree = tree_from_arrays({k: data[k] for k in data.files}, tree_class(compiled) is not SuffixTree)
+            tree = tree_from_arrays({k: data[k] for k in data.files})
     except (ValueError, KeyError, IndexError, OSError) as e:
         raise ValueError(f"{tree_path} is corrupt ({e}); to resolve, rebuild the cache") from e
     return SuffixCache(config or SpecConfig(**meta["config"]), tree)

@@ -8,22 +8,21 @@ both and the one with the higher score (expected accepted tokens) wins, as in th
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .tree import Draft, SuffixTree
+from .draft import Draft
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .tree import SuffixTree
 
-# finished requests' trees kept for reuse: at most this many, of at most this many tokens each (a compiled tree
-# takes about 250 bytes per token)
+# finished requests' trees kept for reuse: at most this many, of at most this many tokens each (a tree takes
+# about 250 bytes per token)
 SPARE_TREES, SPARE_TREE_TOKENS = 8, 8192
 
 
@@ -42,9 +41,9 @@ class SpecConfig(BaseModel):
     min_token_prob: float = Field(
         0.1, ge=0, le=1, description="Stop expanding below this estimated probability."
     )
-    # 10,000 responses x ~300 tokens at the bytes per cached token of bench_suffix.py's streams: ~0.9 GB for the
-    # compiled tree (~310 B, allocated tables), ~2.8 GB for the pure-Python one (~930 B), ~1.4 GB for the C++
-    # reference in vLLM (~450 B).  100,000 would be ten times that.
+    # 10,000 responses x ~300 tokens at the bytes per cached token of bench_suffix.py's streams: ~0.9 GB for our
+    # tree (~310 B, allocated tables), ~1.4 GB for the C++ reference in vLLM (~450 B).  100,000 would be ten
+    # times that.
     max_cached_requests: int = Field(
         10_000, ge=0, description="FIFO limit on responses in the global tree (live ones included)."
     )
@@ -53,54 +52,21 @@ class SpecConfig(BaseModel):
     )
 
 
-def compiled_available() -> bool:
-    """Whether numba (the ``fast`` extra) is installed, so the compiled :class:`.fast.ArrayTree` can be used."""
-    import importlib.util
-
-    return importlib.util.find_spec("numba") is not None
-
-
-@functools.cache
-def _say_pure_python() -> None:
-    log.warning(
-        "suffix cache: numba is not installed, so the pure-Python SuffixTree runs (3-15x slower per operation "
-        "than the compiled tree); to resolve, pip install 'swiftkv-toolkit[fast]'"
-    )
-
-
-def tree_class(compiled: bool | None = None) -> type:
-    """The numba :class:`.fast.ArrayTree` (``compiled``; None: when numba is installed, else the pure-Python
-    :class:`SuffixTree`, said once per process as a warning) or :class:`SuffixTree`."""
-    if compiled is None:
-        compiled = compiled_available()
-        if not compiled:
-            _say_pure_python()
-    if not compiled:
-        return SuffixTree
-    from .fast import ArrayTree
-
-    return ArrayTree
-
-
 class SuffixCache:
     """Global + per-request suffix trees with the speculation rule of SuffixDecoding.
 
     As in the reference (arctic-inference's ``SuffixDecodingCache``), a live request's response enters the
     global tree token by token, so other requests (and this one) can draft from it at once; the oldest
-    responses are evicted past ``max_cached_requests``, counting the live ones.  The trees are numba-compiled
-    :class:`.fast.ArrayTree` s when numba is installed (``compiled=None``), else (or with ``compiled=False``)
-    pure-Python :class:`SuffixTree` s; both give the same drafts.  A given ``global_tree`` sets the kind.
+    responses are evicted past ``max_cached_requests``, counting the live ones.  ``global_tree``: a pre-built
+    one (a loaded artifact's).
     """
 
-    def __init__(
-        self,
-        config: SpecConfig | None = None,
-        global_tree: SuffixTree | None = None,
-        compiled: bool | None = None,
-    ) -> None:
+    def __init__(self, config: SpecConfig | None = None, global_tree: SuffixTree | None = None) -> None:
+        from .tree import SuffixTree  # numba: imported with a cache, not with its settings (SpecConfig)
+
         self.config = config or SpecConfig()
-        self._tree_class = type(global_tree) if global_tree is not None else tree_class(compiled)
-        self.global_tree = global_tree or self._tree_class(self.config.max_depth)
+        self.global_tree = global_tree or SuffixTree(self.config.max_depth)
+        self._new_request_tree = SuffixTree.for_request
         if self.global_tree.max_depth != self.config.max_depth:
             raise ValueError(
                 f"global tree depth {self.global_tree.max_depth} != max_depth {self.config.max_depth}; "
@@ -144,7 +110,7 @@ class SuffixCache:
     def start_request(self, request_id: int, prompt: Sequence[int]) -> None:
         """Open a request: its own tree over ``prompt`` (a finished request's, cleared, when one is spare) and a
         slot for its response in the global tree."""
-        tree = self._spare.pop() if self._spare else self._tree_class.for_request(self.config.max_depth)
+        tree = self._spare.pop() if self._spare else self._new_request_tree(self.config.max_depth)
         tree.restart(prompt)
         seq_id = self._new_response()
         self._requests[request_id] = (tree, seq_id)

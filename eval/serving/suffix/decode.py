@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SuffixCache
-from .tree import Draft
+from .draft import Draft
 
 
 @dataclass

@@ -1,416 +1,311 @@
-"""Depth-limited suffix tree over token ids with per-node counts (the data structure of SuffixDecoding).
+"""The suffix tree of SuffixDecoding: a Python class over numpy tables that the numba kernels of :mod:`.kernels`
+update and search (the tree's rules and layout are described there).
 
-Conceptually the tree is a trie of every suffix of every stored sequence, cut at ``max_depth`` tokens, whose
-node counts say how many of those (truncated) suffixes pass through or end at the node.  Chains of
-single-child nodes with equal counts are compressed into one node that points into a stored sequence
-(``ref[end - length:end]`` are its tokens).  The compressed form is canonical: a node boundary exists exactly
-where the trie branches or where a suffix ends, so every suffix ends at the end of a node.
-
-The semantics are those of arctic-inference's C++ ``SuffixTree`` (the reference SuffixDecoding
-implementation), so drafts are the same token for token:
-
-* each still-growing suffix of a sequence is held as a pointer to the node it ends at (its *active nodes*),
-  which makes appending O(max_depth) and gives the match position of every suffix of the sequence in O(1);
-* each node records where suffixes end in it (``endpoints``: seq id -> end index), so removing a sequence
-  re-points the nodes that referenced it to a live sequence and the removed token array is freed;
-* children are kept in a list ordered by decreasing count (equal counts grouped, ties in the order the
-  reference's updates produce), so the most frequent child is ``head`` and tree drafts stop early;
-* probabilities and scores are computed in float32 in the reference's order of operations.
+Why compiled: appending a token is O(max_depth) steps (one per active suffix, in the request tree and in the
+global tree) and a ``speculate()`` scores up to ``max_depth`` drafts; compiled, both take a few microseconds.  This
+side owns the tables' room (kernels never allocate: they stop before a token that might not fit, and
+:meth:`SuffixTree._make_room` grows what is short), the sequence ids and the token pool.
 """
 
 from __future__ import annotations
 
-import functools
-import heapq
-import itertools
 import sys
 from array import array
-from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-_F32 = array("f", [0.0])
+import numba
+import numpy as np
+
+from .draft import Draft, f32, search_order
+from .kernels import (
+    CNT,
+    EMPTY,
+    M_CLIVE,
+    M_EHWM,
+    M_ELIVE,
+    M_ENDPOINTS,
+    M_GHWM,
+    M_NHWM,
+    NODE_FIELDS,
+    SCAP,
+    SLEN,
+    SROW,
+    SSTART,
+    h_rehash,
+    k_clear,
+    k_extend,
+    k_from_arrays,
+    k_remove,
+    k_speculate,
+    k_to_arrays,
+)
 
 
-def f32(x: float) -> float:
-    """``x`` rounded to float32 (the reference's arithmetic; exact for one +, -, * or / of float32 values)."""
-    _F32[0] = x
-    return _F32[0]
+def _through_entry(name: str, kernel):
+    """``kernel`` for this module's global ``name``: called through numba's dispatcher once, which then rebinds
+    ``name`` to the compiled entry point.  The dispatcher types every argument on every call (~5 µs for the 14
+    arguments here, as much as a whole append) and a Python wrapper would add a frame to every call; SuffixTree
+    always passes the same types (its tables, ``array('i')`` tokens, Python ints, floats and bools)."""
 
-
-class _Group:
-    """A run of siblings with equal counts; ``head`` is its first node."""
-
-    __slots__ = ("head", "next", "prev")
-
-    def __init__(self, head: _Node) -> None:
-        self.head = head
-        self.next: _Group | None = None
-        self.prev: _Group | None = None
-
-
-class _Node:
-    __slots__ = (
-        "count",
-        "length",
-        "ref",
-        "ref_id",
-        "end",
-        "parent",
-        "children",
-        "endpoints",
-        "head",
-        "tail",
-        "next",
-        "prev",
-        "group",
-    )
-
-    def __init__(
-        self, count: int, length: int, ref: array | None, ref_id: int, end: int, parent: _Node | None
-    ) -> None:
-        self.count = count
-        self.length = length
-        self.ref = ref
-        self.ref_id = ref_id
-        self.end = end
-        self.parent = parent
-        self.children: dict[int, _Node] = {}
-        self.endpoints: dict[int, int] = {}
-        self.head: _Node | None = None  # most frequent child
-        self.tail: _Node | None = None
-        self.next: _Node | None = None  # next sibling (lower or equal count)
-        self.prev: _Node | None = None
-        self.group: _Group | None = None
-
-    def token(self, offset: int = 0) -> int:
-        """The node's token at ``offset`` (0 = the first one, its key in the parent)."""
-        return self.ref[self.end - self.length + offset]
-
-    def ordered_children(self) -> list[_Node]:
-        out, c = [], self.head
-        while c is not None:
-            out.append(c)
-            c = c.next
+    def first_call(*args):
+        out = kernel(*args)
+        globals()[name] = kernel.overloads[tuple(numba.typeof(a) for a in args)].entry_point
         return out
 
-
-# ---- the ordered sibling list (a port of the reference's linked-list updates) --------------------------
-
-
-def _remove_from_siblings(node: _Node) -> None:
-    group = node.group
-    if group.head is node:
-        if node.next is not None and node.next.count == node.count:
-            group.head = node.next
-            node.group = None
-        else:
-            if group.prev is not None:
-                group.prev.next = group.next
-            if group.next is not None:
-                group.next.prev = group.prev
-            group.prev = group.next = None
-    else:
-        node.group = None
-    parent = node.parent
-    if node.next is not None:
-        node.next.prev = node.prev
-    else:
-        parent.tail = node.prev
-    if node.prev is not None:
-        node.prev.next = node.next
-    else:
-        parent.head = node.next
-    node.prev = node.next = None
+    return first_call
 
 
-def _insert_before(node: _Node, other: _Node) -> None:
-    if other.prev is not None:
-        other.prev.next = node
-    else:
-        node.parent.head = node
-    node.next = other
-    node.prev = other.prev
-    other.prev = node
-    prev = node.prev
-    if prev is not None and node.count == prev.count:
-        node.group = prev.group
-    elif node.count == other.count:
-        node.group = other.group
-        node.group.head = node
-    else:
-        if node.group is None:
-            node.group = _Group(node)
-        group = node.group
-        if prev is not None:
-            group.prev = prev.group
-            group.prev.next = group
-        group.next = other.group
-        group.next.prev = group
+_extend = _through_entry("_extend", k_extend)
+_speculate = _through_entry("_speculate", k_speculate)
+_clear = _through_entry("_clear", k_clear)
 
 
-def _insert_after(node: _Node, other: _Node) -> None:
-    if other.next is not None:
-        other.next.prev = node
-    else:
-        node.parent.tail = node
-    node.prev = other
-    node.next = other.next
-    other.next = node
-    nxt = node.next
-    if nxt is not None and node.count == nxt.count:
-        node.group = nxt.group
-        if node.group.head is nxt:
-            node.group.head = node
-    elif node.count == other.count:
-        node.group = other.group
-    else:
-        if node.group is None:
-            node.group = _Group(node)
-        group = node.group
-        if nxt is not None:
-            group.next = nxt.group
-            group.next.prev = group
-        group.prev = other.group
-        group.prev.next = group
+def _tokens(tokens: Iterable[int]) -> array:
+    """``tokens`` as the ``array('i')`` the kernels take (numba reads it through the buffer protocol, which costs
+    less per call than a numpy array); the cache's own arrays pass through."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        return array("i", np.ascontiguousarray(tokens, np.int32).tobytes())
+    return array("i", tokens)
 
 
-def _replace_in_siblings(old: _Node, new: _Node) -> None:
-    parent = old.parent
-    if old.next is not None:
-        old.next.prev = new
-    else:
-        parent.tail = new
-    if old.prev is not None:
-        old.prev.next = new
-    else:
-        parent.head = new
-    new.prev, new.next = old.prev, old.next
-    old.prev = old.next = None
-    if old.group.head is old:
-        old.group.head = new
-    new.group, old.group = old.group, None
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(4, (int(n) - 1).bit_length())
 
 
-def _increment_count(node: _Node) -> None:
-    if node.parent is None:
-        node.count += 1
-        return
-    prev = node.prev
-    if prev is None or prev.count > node.count + 1:
-        if node.next is None or node.next.count < node.count:
-            node.count += 1
-        else:  # split off from its group into a new one in front of it
-            orig = node.group
-            orig.head = node.next
-            new = _Group(node)
-            new.next = orig
-            if orig.prev is not None:
-                new.prev = orig.prev
-                new.prev.next = new
-            orig.prev = new
-            node.group = new
-            node.count += 1
-    else:
-        other = prev.group.head
-        _remove_from_siblings(node)
-        node.count += 1
-        _insert_before(node, other)
+class _Seqs(Mapping):
+    """Read-only view seq id -> token array (a copy) of a :class:`SuffixTree`'s sequences."""
 
+    def __init__(self, tree: SuffixTree) -> None:
+        self._tree = tree
 
-def _decrement_count(node: _Node) -> None:
-    if node.parent is None:
-        node.count -= 1
-        return
-    nxt = node.next
-    if nxt is None or nxt.count < node.count - 1:
-        if node.prev is None or node.prev.count > node.count:
-            node.count -= 1
-        else:  # split off from its group into a new one behind it
-            orig = node.group
-            new = _Group(node)
-            new.prev = orig
-            if orig.next is not None:
-                new.next = orig.next
-                new.next.prev = new
-            orig.next = new
-            node.group = new
-            node.count -= 1
-    elif nxt.count == node.count - 1:
-        nxt.group.head = node
-        if node.group.head is node:
-            group = node.group
-            if group.prev is not None:
-                group.prev.next = group.next
-            group.next.prev = group.prev
-        node.group = nxt.group
-        node.count -= 1
-    else:
-        other_group = node.group.next
-        _remove_from_siblings(node)
-        node.count -= 1
-        if other_group is None:
-            _insert_after(node, node.parent.tail)
-        else:
-            _insert_before(node, other_group.head)
+    def __getitem__(self, seq_id: int) -> np.ndarray:
+        t = self._tree
+        start, length = t.seqtab[t._slot[seq_id], [SSTART, SLEN]]
+        return t.tokens[start : start + length].copy()
 
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tree._slot)
 
-@dataclass
-class Draft:
-    """Speculated tokens as a tree: ``parents[i]`` is the index of token i's parent, -1 for the root.
+    def __len__(self) -> int:
+        return len(self._tree._slot)
 
-    A path draft has ``parents == [-1, 0, 1, ...]``.  ``probs[i]`` is the estimated probability of reaching
-    token i; ``score`` (their float32 sum) is the expected number of accepted tokens used to pick drafts.
-    """
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
-    match_len: int = 0
-    score: float = 0.0
-
-
-Position = tuple[_Node, int]
-
-
-@functools.lru_cache(maxsize=256)
-def _search_order(
-    n: int, max_depth: int, max_spec: int, factor: float, offset: float
-) -> tuple[tuple[int, int, int], ...]:
-    """(upper bound, match length, budget) for match lengths 1..n, most promising first (longer on ties)."""
-    factor, offset = f32(factor), f32(offset)
-    rows = []
-    for p in range(1, n + 1):
-        budget = max(0, min(max_spec, int(f32(f32(p * factor) + offset) + 1e-6)))
-        rows.append((min(budget, max(max_depth - p, 0)), p, budget))
-    return tuple(sorted(rows, reverse=True))
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tree._slot
 
 
 class SuffixTree:
-    """Suffix tree of token sequences, each suffix truncated to ``max_depth`` tokens.
+    """Suffix tree of token sequences, each suffix truncated to ``max_depth`` tokens, in numpy tables updated by the
+    numba kernels of :mod:`.kernels` (the rules and the layout are described there).
 
     >>> t = SuffixTree(max_depth=8); t.extend(0, [1, 2, 3, 1, 2, 4])
-    >>> t.speculate([5, 1, 2], max_spec=4).tokens   # "1 2" was followed by 3 and by 4: the first seen leads
+    >>> t.speculate([5, 1, 2], max_spec=4).tokens
     [3, 1]
     """
 
-    def __init__(self, max_depth: int = 64) -> None:
+    def __init__(self, max_depth: int = 64, endpoints: bool = True) -> None:
+        """``endpoints=False``: a tree that never removes a sequence nor is saved (a request's tree) skips the
+        suffix-endpoint records that only :meth:`remove` and :meth:`to_arrays` read."""
         if max_depth < 1:
             raise ValueError(f"max_depth={max_depth} must be >= 1")
         self.max_depth = max_depth
+        self.endpoints = endpoints
+        # room for one token (a request tree that stays empty allocates little); tables grow when a token
+        # might not fit, for all of a prompt at once
+        rows = 2 * (max_depth + 1)
+        self.nodes = np.empty((rows, NODE_FIELDS), np.int32)
+        self.groups = np.empty((2 * rows, 4), np.int32)
+        self.chash = self._hash_table(2 * rows)
+        ep_rows = rows if endpoints else 1  # kernels never touch a tree's endpoint tables without endpoints
+        self.eps = np.empty((ep_rows, 5), np.int32)
+        self.ehash = self._hash_table(2 * ep_rows)
+        self.meta = np.zeros(9, np.int64)
+        self.meta[M_ENDPOINTS] = endpoints
+        self.tokens = np.empty(256, np.int32)
+        self.seqtab = np.empty((16, 4), np.int64)
+        self.active = np.empty((4, max_depth), np.int32)
+        self.actmeta = np.empty((4, 2), np.int32)
+        self.seqs = _Seqs(self)
+        self._spec_ints, self._spec_probs = np.empty((6, 64), np.int64), np.empty((2, 64))  # k_speculate's
+        self._heap_p, self._heap_i = np.empty(64), np.empty((64, 4), np.int64)  # scratch and output
+        self._free_slots: list[int] = []
+        self._free_rows: list[int] = []  # of the active-node table
+        self._slot: dict[int, int] = {}  # seq id -> slot
+        self._open: dict[int, int] = {}  # the open ones
+        self._id_of: dict[int, int] = {}
+        self._refresh()
         self.clear()
 
-    @classmethod
-    def for_request(cls, max_depth: int) -> SuffixTree:
-        """A tree for one request's prompt and output (the compiled tree leaves out what such a tree never reads)."""
-        return cls(max_depth)
+    def clear(self) -> None:
+        """Remove every sequence, keeping the allocated tables (a finished request's tree serves the next one:
+        allocating the tables costs more than a short prompt's insertion); O(1) but for the Python maps."""
+        _clear(self.nodes, self.chash, self.ehash, self.meta, self.seqtab, self.actmeta)
+        self._tok_used = 0
+        self._garbage = 0
+        self._n_slots = 0
+        self._free_slots.clear()
+        self._free_rows[:] = range(len(self.active) - 1, -1, -1)
+        self._slot.clear()
+        self._open.clear()
+        self._id_of.clear()
+
+    def restart(self, tokens: Iterable[int]) -> None:
+        """Clear the tree and add ``tokens`` as open sequence 0 (a finished request's tree serving the next
+        request): a tree whose only sequence is an open sequence 0 keeps its slot and token segment, and the
+        whole start is one kernel call."""
+        slot = self._open.get(0) if len(self._slot) == 1 else None
+        if slot is None:
+            self.clear()
+            self.extend(0, tokens)
+            return
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, True)) < len(new):
+            self._extend_rest(slot, new, done)
 
     @property
     def root_count(self) -> int:
-        """Suffixes in the tree: the tokens of all its sequences."""
-        return self.root.count
+        return int(self.nodes[0, CNT])
 
-    def clear(self) -> None:
-        """Remove every sequence."""
-        self.root = _Node(0, 0, None, -1, 0, None)
-        self.seqs: dict[int, array] = {}
-        self._active: dict[int, deque[_Node]] = {}
+    # ---- room -----------------------------------------------------------------------------------------
 
-    def restart(self, tokens: Iterable[int]) -> None:
-        """Clear the tree and add ``tokens`` as open sequence 0 (a finished request's tree serving the next one)."""
-        self.clear()
-        self.extend(0, tokens)
+    @staticmethod
+    def _grown(table: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
+        new = np.full((_pow2_at_least(max(rows, len(table))),) + table.shape[1:], fill, table.dtype)
+        new[: len(table)] = table
+        return new
+
+    @staticmethod
+    def _hash_table(size: int) -> np.ndarray:
+        """An empty hash table for ``size`` rows or more (h_get)."""
+        table = np.full((_pow2_at_least(size) + 1, 2), EMPTY, np.int64)
+        table[-1, 0] = 0
+        return table
+
+    @classmethod
+    def _rehashed(cls, table: np.ndarray, size: int) -> np.ndarray:
+        new = cls._hash_table(size)
+        h_rehash(table, new)
+        return new
+
+    def _make_room(self, slot: int, n_tokens: int) -> None:
+        """Grow what :func:`k_extend` found short for one more token of ``n_tokens`` to come: doubled, or sized
+        for all of them if more (n tokens make at most 2n nodes), so that a long prompt's tables grow once."""
+        need, meta = self.max_depth + 1, self.meta
+        rows = 2 * n_tokens + 3 * need
+        if meta[M_NHWM] + need > len(self.nodes):
+            self.nodes = self._grown(self.nodes, max(2 * len(self.nodes), meta[M_NHWM] + rows), -1)
+        if meta[M_GHWM] + 3 * need > len(self.groups):
+            self.groups = self._grown(self.groups, max(2 * len(self.groups), meta[M_GHWM] + rows))
+        if 2 * (meta[M_CLIVE] + need) > len(self.chash) - 1:
+            size = max(2 * (len(self.chash) - 1), 2 * (meta[M_CLIVE] + rows))
+            self.chash = self._rehashed(self.chash, size)
+        if self.endpoints and meta[M_EHWM] + need > len(self.eps):
+            self.eps = self._grown(self.eps, max(2 * len(self.eps), meta[M_EHWM] + rows))
+        if self.endpoints and 2 * (meta[M_ELIVE] + 2 * need) > len(self.ehash) - 1:  # a record can hash two
+            size = max(2 * (len(self.ehash) - 1), 2 * (meta[M_ELIVE] + rows))
+            self.ehash = self._rehashed(self.ehash, size)
+        self._token_room(slot, n_tokens)
+        self._refresh()
+
+    def _token_room(self, slot: int, n_tokens: int) -> None:
+        """Room for ``n_tokens`` more tokens in the sequence's segment (moved to the pool's end, doubled, at least
+        256 tokens: each growth is a trip through Python, and a response of a few hundred tokens then grows its
+        segment twice, not six times)."""
+        start, length, cap, _ = self.seqtab[slot]
+        if length + n_tokens <= cap:
+            return
+        new_cap = max(2 * int(cap), int(length) + n_tokens, 256)
+        if self._tok_used + new_cap > len(self.tokens):
+            if self._garbage > len(self.tokens) // 2:
+                self._compact()
+            if self._tok_used + new_cap > len(self.tokens):
+                grown = np.zeros(_pow2_at_least(self._tok_used + new_cap), np.int32)
+                grown[: self._tok_used] = self.tokens[: self._tok_used]
+                self.tokens = grown
+            start = self.seqtab[slot, SSTART]
+        self.tokens[self._tok_used : self._tok_used + length] = self.tokens[start : start + length]
+        self._garbage += int(cap)
+        self.seqtab[slot, [SSTART, SCAP]] = self._tok_used, new_cap
+        self._tok_used += new_cap
+
+    def _compact(self) -> None:
+        """Copy live segments to a fresh pool, dropping removed and moved-away ones."""
+        pool = np.zeros(len(self.tokens), np.int32)
+        used = 0
+        for slot in self._slot.values():
+            start, length, cap, _ = self.seqtab[slot]
+            pool[used : used + length] = self.tokens[start : start + length]
+            self.seqtab[slot, SSTART] = used
+            used += int(cap)
+        self.tokens, self._tok_used, self._garbage = pool, used, 0
+
+    def _tables(self) -> tuple:
+        return (self.nodes, self.groups, self.eps, self.chash, self.ehash, self.meta)
+
+    def _refresh(self) -> None:
+        """Rebind the kernels' argument tuples after a table was replaced (grown, rehashed, compacted)."""
+        self._ext_args = (*self._tables(), self.tokens, self.seqtab, self.active, self.actmeta)
+        self._spec_args = (
+            self.nodes,
+            self.chash,
+            self.tokens,
+            self.seqtab,
+            self.active,
+            self.actmeta,
+        )
 
     # ---- building -------------------------------------------------------------------------------------
 
-    def append(self, seq_id: int, token: int) -> None:
-        """Append one token to sequence ``seq_id`` (new or still open); O(max_depth)."""
-        if seq_id in self.seqs and seq_id not in self._active:
+    def _open_slot(self, seq_id: int) -> int:
+        """A slot (and active-node row) for new sequence ``seq_id``."""
+        if seq_id in self._slot:
             raise ValueError(f"sequence {seq_id} was closed; to resolve, append to a new sequence id")
-        seq = self.seqs.setdefault(seq_id, array("i"))
-        active = self._active.setdefault(seq_id, deque())
-        root = self.root
-        active.append(root)
-        root.endpoints[seq_id] = len(seq)
-        root.count += 1
-        if len(active) > self.max_depth:
-            active.popleft()
-        seq.append(token)
-        n = len(seq)
-        extend = self._extend_suffix
-        for i, node in enumerate(active):  # _extend_suffix's most common case inlined
-            if node.count == 1 and node is not root:  # a leaf only this suffix reaches: grow it
-                node.length += 1
-                node.end = n
-                node.endpoints[seq_id] = n
-            else:
-                active[i] = extend(node, token, seq, seq_id, n)
-
-    def _extend_suffix(self, node: _Node, token: int, seq: array, seq_id: int, n: int) -> _Node:
-        """Extend the suffix of ``seq_id`` that ends at the end of ``node`` by ``token`` (= seq[n-1])."""
-        child = node.children.get(token)
-        is_root = node is self.root
-        if child is None:
-            if node.count == 1 and not is_root:  # only this suffix reaches node: a leaf, grow it
-                node.length += 1
-                node.end = n
-                node.endpoints[seq_id] = n
-                return node
-            new = _Node(1, 1, seq, seq_id, n, node)
-            new.endpoints[seq_id] = n
-            node.children[token] = new
-            del node.endpoints[seq_id]
-            if node.head is None:
-                node.head = node.tail = new
-                new.group = _Group(new)
-            else:
-                _insert_after(new, node.tail)
-            return new
-        if node.count == child.count + 1 and not is_root:  # node's only child; this suffix ends at node
-            if child.length == 1:  # fuse node into child, keeping child (other suffixes may end there)
-                parent, key = node.parent, node.token()
-                child.count += 1
-                child.length = node.length + 1
-                child.ref, child.ref_id, child.end = seq, seq_id, n
-                child.endpoints[seq_id] = n
-                child.parent = parent
-                _replace_in_siblings(node, child)
-                parent.children[key] = child
-                return child
-            node.length += 1  # node grows into child by one token
-            node.endpoints[seq_id] += 1
-            node.ref, node.ref_id, node.end = seq, seq_id, n
-            child.length -= 1
-            first = child.token()
-            if first != token:
-                del node.children[token]
-                node.children[first] = child
-            return node
-        if child.length == 1:
-            del node.endpoints[seq_id]
-            child.endpoints[seq_id] = n
-            _increment_count(child)
-            return child
-        new = _Node(child.count, 1, seq, seq_id, n, node)  # split child after its first token
-        _replace_in_siblings(child, new)
-        node.children[token] = new
-        child.length -= 1
-        new.children[child.token()] = child
-        child.parent = new
-        del node.endpoints[seq_id]
-        new.endpoints[seq_id] = n
-        new.head = new.tail = child
-        child.group = _Group(child)
-        _increment_count(new)
-        return new
+        if self._free_slots:  # a removed sequence's slot (its endpoints and node references are gone)
+            slot = self._free_slots.pop()
+        else:
+            slot = self._n_slots
+            self._n_slots += 1
+        if slot >= len(self.seqtab):
+            self.seqtab = self._grown(self.seqtab, slot + 1)
+        if not self._free_rows:
+            rows = len(self.active)
+            self.active = self._grown(self.active, 2 * rows)
+            self.actmeta = self._grown(self.actmeta, 2 * rows)
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free_rows.pop()
+        self.actmeta[row] = 0
+        self.seqtab[slot] = (self._tok_used, 0, 0, row)
+        self._slot[seq_id], self._id_of[slot], self._open[seq_id] = slot, seq_id, slot
+        self._refresh()
+        return slot
 
     def extend(self, seq_id: int, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            self.append(seq_id, token)
+        """Append tokens to sequence ``seq_id`` (new or still open); O(max_depth) each."""
+        slot = self._open.get(seq_id)
+        if slot is None:
+            slot = self._open_slot(seq_id)
+        new = _tokens(tokens)
+        if (done := _extend(*self._ext_args, slot, new, False)) < len(new):
+            self._extend_rest(slot, new, done)
+
+    def _extend_rest(self, slot: int, new: array, done: int) -> None:
+        """What k_extend left of ``new`` after ``done`` tokens, growing the tables it found short."""
+        while done < len(new):
+            self._make_room(slot, len(new) - done)
+            done += _extend(*self._ext_args, slot, new[done:], False)
+
+    def append(self, seq_id: int, token: int) -> None:
+        self.extend(seq_id, [token])
 
     def close(self, seq_id: int) -> None:
-        """Stop growing ``seq_id`` (frees its suffix pointers); its suffixes stay counted until ``remove``."""
-        self._active.pop(seq_id, None)
+        """Stop growing ``seq_id``; its suffixes stay counted until ``remove``."""
+        slot = self._open.pop(seq_id, None)
+        if slot is not None:
+            self._free_rows.append(int(self.seqtab[slot, SROW]))
+            self.seqtab[slot, SROW] = -1
+            self._garbage += int(self.seqtab[slot, SCAP] - self.seqtab[slot, SLEN])
+            self.seqtab[slot, SCAP] = self.seqtab[slot, SLEN]
 
     def add(self, seq_id: int, tokens: Iterable[int]) -> None:
         """Insert a complete sequence."""
@@ -418,247 +313,32 @@ class SuffixTree:
         self.close(seq_id)
 
     def remove(self, seq_id: int) -> None:
-        """Remove every suffix of ``seq_id`` and release its token array; O(len * max_depth)."""
-        seq = self.seqs[seq_id]
-        n = len(seq)
-        root = self.root
-        for start in range(n):
-            node = root
-            node.count -= 1
-            idx = start
-            path: list[_Node] = []
-            while idx < n:
-                tok = seq[idx]
-                child = node.children.get(tok)
-                if child is None:
-                    break
-                if child.count > 1:
-                    _decrement_count(child)
-                else:  # the child and its whole subtree go
-                    _remove_from_siblings(child)
-                    del node.children[tok]
-                    break
-                child.endpoints.pop(seq_id, None)
-                idx += child.length
-                node = child
-                path.append(node)
-            if node is not root and len(node.children) == 1:
-                (only,) = node.children.values()
-                if node.count == only.count:  # no suffix ends at node any more: merge it into its child
-                    key = node.token()
-                    only.length += node.length
-                    only.parent = node.parent
-                    _replace_in_siblings(node, only)
-                    node.parent.children[key] = only
-                    path[-1] = node = only
-            leaf, distance = node, 0
-            while leaf.children:
-                leaf = next(iter(leaf.children.values()))
-                distance += leaf.length
-            if not leaf.endpoints or seq_id in leaf.endpoints:
-                continue  # visited again later in this removal
-            ref_id, ref_end = next(iter(leaf.endpoints.items()))
-            end = ref_end - distance
-            ref = self.seqs[ref_id]
-            for p in reversed(path):
-                if p.ref_id == seq_id:
-                    p.ref, p.ref_id, p.end = ref, ref_id, end
-                end -= p.length
-        del self.seqs[seq_id]
-        self._active.pop(seq_id, None)
-
-    # ---- lookup and speculation -----------------------------------------------------------------------
-
-    def match(self, tokens: Sequence[int]) -> Position | None:
-        """Position (node, tokens matched inside it) reached by ``tokens`` from the root, or None."""
-        node, offset = self.root, 0
-        for tok in tokens:
-            if offset < node.length:
-                if node.ref[node.end - node.length + offset] != tok:
-                    return None
-                offset += 1
-            else:
-                node = node.children.get(tok)
-                if node is None:
-                    return None
-                offset = 1
-        return node, offset
-
-    def match_positions(self, context: Sequence[int], start: int = 1) -> list[Position]:
-        """Positions of the context's tails of length start, start + 1, ... < len(context) while they occur
-        (a walk from the root each)."""
-        ctx = context if isinstance(context, array) else array("i", context)
-        n, out = len(ctx), []
-        children = self.root.children
-        for p in range(start, n):
-            i = n - p
-            node = children.get(ctx[i])
-            if node is None:
-                break
-            while True:
-                length = node.length
-                k = min(length, n - i)
-                s = node.end - length
-                if node.ref[s : s + k] != ctx[i : i + k]:
-                    node = None
-                    break
-                i += k
-                if i == n:
-                    break
-                node = node.children.get(ctx[i])
-                if node is None:
-                    break
-            if node is None:
-                break
-            out.append((node, k))
-        return out
+        """Remove every suffix of ``seq_id`` and release its tokens; O(len * max_depth)."""
+        self._need_endpoints("remove a sequence")
+        self.close(seq_id)
+        slot = self._slot.pop(seq_id)
+        del self._id_of[slot]
+        path = np.empty(self.max_depth + 1, np.int32)
+        k_remove(*self._tables(), self.tokens, self.seqtab, slot, path)
+        self._garbage += int(self.seqtab[slot, SCAP])
+        self.seqtab[slot] = (0, 0, 0, -1)
+        self._free_slots.append(slot)
 
     def is_open(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` can still grow (and has active nodes)."""
-        return seq_id in self._active
+        return seq_id in self._open
 
-    def active_positions(self, seq_id: int) -> list[Position]:
-        """Positions of the tails of open sequence ``seq_id`` (lengths 1, 2, ...), from its active nodes; O(1) each."""
-        return [(node, node.length) for node in reversed(self._active[seq_id])]
+    @classmethod
+    def for_request(cls, max_depth: int) -> SuffixTree:
+        """A tree for one request's prompt and output: never removed nor saved, so without endpoints."""
+        return cls(max_depth, endpoints=False)
 
-    def speculate_path(self, node: _Node, offset: int, max_tokens: int, min_prob: float) -> Draft:
-        """Follow the most frequent child while the probability stays >= min_prob."""
-        draft, prob, score = Draft(), 1.0, 0.0
-        tokens, probs = draft.tokens, draft.probs
-        min_prob = f32(min_prob)
-        while len(tokens) < max_tokens and prob >= min_prob:
-            if offset < node.length:
-                k = min(node.length - offset, max_tokens - len(tokens))
-                s = node.end - node.length + offset
-                tokens.extend(node.ref[s : s + k])
-                probs.extend([prob] * k)
-                if prob == 1.0 and score < 16_777_216:
-                    score += k  # exact in float32
-                else:
-                    for _ in range(k):
-                        score = f32(score + prob)
-                offset += k
-            else:
-                child = node.head
-                if child is None:
-                    break
-                prob = f32(prob * f32(child.count / node.count))
-                node, offset = child, 0
-        draft.parents = list(range(-1, len(tokens) - 1))
-        draft.score = score
-        return draft
+    def _need_endpoints(self, what: str) -> None:
+        if not self.endpoints:
+            raise ValueError(
+                f"a tree built with endpoints=False cannot {what}; to resolve, build it with endpoints"
+            )
 
-    def speculate_tree(self, node: _Node, offset: int, max_tokens: int, min_prob: float) -> Draft:
-        """Best-first expansion: the ``max_tokens`` most probable continuations (each with its ancestors)."""
-        draft, order, score = Draft(), itertools.count(), 0.0
-        min_prob = f32(min_prob)
-        heap = [(-1.0, next(order), node, offset, -1)]
-        while heap and len(draft.tokens) < max_tokens:
-            neg_p, _, n, o, parent = heapq.heappop(heap)
-            if o < n.length:
-                draft.tokens.append(n.ref[n.end - n.length + o])
-                draft.parents.append(parent)
-                draft.probs.append(-neg_p)
-                score = f32(score - neg_p)
-                heapq.heappush(heap, (neg_p, next(order), n, o + 1, len(draft.tokens) - 1))
-            else:
-                child = n.head
-                while child is not None:
-                    p = f32(f32(-neg_p * child.count) / n.count)
-                    if p < min_prob:
-                        break
-                    heapq.heappush(heap, (-p, next(order), child, 0, parent))
-                    child = child.next
-        draft.score = score
-        return draft
-
-    @staticmethod
-    def _path_score(node: _Node, offset: int, max_tokens: int, min_prob: float) -> float:
-        """The score :meth:`speculate_path` would give (float32, same order of additions), without the draft."""
-        score, prob, n = 0.0, 1.0, 0
-        while n < max_tokens and prob >= min_prob:
-            rest = node.length - offset
-            if rest > 0:
-                k = min(rest, max_tokens - n)
-                if prob == 1.0:  # every earlier token had probability 1 too: score is a small integer
-                    score += k
-                else:
-                    for _ in range(k):
-                        _F32[0] = score + prob
-                        score = _F32[0]
-                n += k
-                offset += k
-            else:
-                child = node.head
-                if child is None:
-                    break
-                prob = f32(prob * f32(child.count / node.count))
-                node, offset = child, 0
-        return score
-
-    def best_draft(
-        self,
-        positions: list[Position],
-        max_spec: int,
-        factor: float = 1.0,
-        offset: float = 0.0,
-        min_token_prob: float = 0.1,
-        tree: bool = False,
-    ) -> Draft:
-        """Best draft over match positions for lengths 1, 2, ...: the highest score, ties to the longer match.
-
-        Budget per match length p: min(max_spec, int(factor * p + offset)).  Lengths are tried in order of
-        their upper bound min(budget, max_depth - p) (a draft can neither exceed its budget nor the tree's
-        depth), and the search stops once no remaining length can beat the best; the result is the one of
-        trying every length in turn.  Path drafts are scored first and only the winner is built.
-        """
-        best_score, best_p, best_draft = -1.0, 0, None
-        min_prob = f32(min_token_prob)
-        slack = 1 + 1e-5 if tree else 1  # a level's float32 probabilities may sum to a hair over 1
-        for bound, p, budget in _search_order(len(positions), self.max_depth, max_spec, factor, offset):
-            bound *= slack
-            if bound < best_score or (bound == best_score and p < best_p):
-                break
-            node, off = positions[p - 1]
-            if tree:
-                draft = self.speculate_tree(node, off, budget, min_prob)
-                score = draft.score
-            else:
-                score = self._path_score(node, off, budget, min_prob)
-            if score > best_score or (score == best_score and p > best_p):
-                best_score, best_p, best_draft = score, p, (draft if tree else (node, off, budget))
-        if best_draft is None:
-            return Draft()
-        if not tree:
-            best_draft = self.speculate_path(*best_draft, min_prob)
-        best_draft.match_len = best_p
-        return best_draft
-
-    def speculate(
-        self,
-        context: Sequence[int],
-        max_spec: int,
-        factor: float = 1.0,
-        offset: float = 0.0,
-        min_token_prob: float = 0.1,
-        tree: bool = False,
-    ) -> Draft:
-        """Best draft for the tails of ``context`` shorter than it (lengths 1 .. len(context) - 1)."""
-        return self.best_draft(self.match_positions(context), max_spec, factor, offset, min_token_prob, tree)
-
-    def tail_positions(self, seq_id: int | None, ctx: array) -> list[Position]:
-        """Match positions of ``ctx``'s tails (lengths 1 .. len(ctx) - 1) using open sequence ``seq_id``'s
-        active nodes for the tails it ends with; [] when ``seq_id`` does not end with ``ctx``'s last token."""
-        seq = self.seqs.get(seq_id)
-        if seq is None or not self.is_open(seq_id) or not seq or not ctx or seq[-1] != ctx[-1]:
-            return []
-        n = min(len(seq), len(ctx))
-        if seq[len(seq) - n :] != ctx[len(ctx) - n :]:
-            return []
-        positions = self.active_positions(seq_id)[: min(n, len(ctx) - 1)]
-        if n == len(seq) and n < len(ctx) - 1:  # tails reaching back past the sequence's start: walk them
-            positions += self.match_positions(ctx, start=n + 1)
-        return positions
+    # ---- speculation ----------------------------------------------------------------------------------
 
     def speculate_open(
         self,
@@ -671,22 +351,102 @@ class SuffixTree:
         min_token_prob: float = 0.1,
         tree: bool = False,
     ) -> Draft:
-        """Best draft for ``context``'s tails, positions from ``seq_id``'s active nodes when ``context`` ends
-        with that open sequence (O(1) each), else (with ``walk``) walked from the root."""
-        ctx = context if isinstance(context, array) else array("i", context)
-        positions = self.tail_positions(seq_id, ctx)
-        if not positions and walk:
-            positions = self.match_positions(ctx)
-        return self.best_draft(positions, max_spec, factor, offset, min_token_prob, tree)
+        """Best draft for ``context``'s tails (lengths 1 .. len(context) - 1): the highest score, ties to the
+        longer match, with budget min(max_spec, int(factor * match length + offset)) tokens.  Match positions come
+        from ``seq_id``'s active nodes when ``context`` ends with that open sequence (O(1) each), else (with
+        ``walk``) from walks from the root.  ``tree``: best-first tree drafts, else path drafts."""
+        slot = -1 if seq_id is None else self._slot.get(seq_id, -1)
+        ctx = _tokens(context)
+        order = search_order(self.max_depth, max_spec, factor, offset)
+        if self._spec_probs.shape[1] < max(max_spec, len(ctx)):
+            size = _pow2_at_least(max(max_spec, len(ctx)))
+            self._spec_ints, self._spec_probs = np.empty((6, size), np.int64), np.empty((2, size))
+        ints, probs = self._spec_ints, self._spec_probs
+        while True:
+            n, score, match_len = _speculate(
+                *self._spec_args,
+                slot,
+                ctx,
+                bool(walk),
+                order,
+                int(max_spec),
+                f32(min_token_prob),
+                bool(tree),
+                ints,
+                probs,
+                self._heap_p,
+                self._heap_i,
+            )
+            if n >= 0:
+                break
+            self._heap_p, self._heap_i = (
+                np.empty(2 * len(self._heap_p)),
+                np.empty((2 * len(self._heap_p), 4), np.int64),
+            )
+        tokens, parents = ints[:2, :n].tolist()
+        return Draft(tokens, parents, probs[0, :n].tolist(), match_len, score)
+
+    def speculate(self, context: Sequence[int], max_spec: int, **kwargs) -> Draft:
+        """Best draft for the tails of ``context`` shorter than it, each walked from the root."""
+        return self.speculate_open(None, context, True, max_spec, **kwargs)
+
+    # ---- artifacts and size ---------------------------------------------------------------------------
+
+    def to_arrays(self, order: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(node rows parent/count/length/ref/end, endpoint rows node/seq/end), breadth-first in sibling
+        order, sequences as indices into ``order`` (artifact.tree_to_arrays)."""
+        self._need_endpoints("be saved")
+        slot_index = np.full(max(self._n_slots, 1), -1, np.int64)
+        for k, seq_id in enumerate(order):
+            slot_index[self._slot[seq_id]] = k
+        return k_to_arrays(self.nodes[: self.meta[M_NHWM]], self.eps, slot_index)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        max_depth: int,
+        seq_ids: list[int],
+        offsets: np.ndarray,
+        tokens: np.ndarray,
+        columns,
+        first,
+        ep_rows,
+    ) -> SuffixTree:
+        """A tree of closed sequences from validated artifact arrays; ValueError if siblings are out of order."""
+        tree = cls(max_depth)
+        n_nodes, n_eps = len(columns), len(ep_rows)
+        tree.nodes = tree._grown(tree.nodes, n_nodes + 1, -1)
+        tree.groups = tree._grown(tree.groups, n_nodes + 1)
+        tree.eps = tree._grown(tree.eps, n_eps + 1)
+        tree.chash = tree._rehashed(tree.chash, 2 * n_nodes + 1)
+        tree.ehash = tree._rehashed(tree.ehash, 2 * n_eps + 1)
+        bad = k_from_arrays(*tree._tables(), columns, first, ep_rows)
+        if bad:
+            raise ValueError(f"node {bad} is out of count order")
+        tree.tokens = np.ascontiguousarray(tokens, np.int32).copy()
+        tree._tok_used = len(tree.tokens)
+        tree.seqtab = tree._grown(tree.seqtab, len(seq_ids))
+        lengths = np.diff(offsets)
+        for k, seq_id in enumerate(seq_ids):
+            tree.seqtab[k] = (offsets[k], lengths[k], lengths[k], -1)
+            tree._slot[seq_id], tree._id_of[k] = k, seq_id
+        tree._n_slots = len(seq_ids)
+        tree._refresh()
+        return tree
 
     def nbytes(self) -> int:
-        """Bytes held by the tree: nodes, their dicts and token arrays (sys.getsizeof, shared objects once)."""
-        total, stack = 0, [self.root]
-        while stack:
-            node = stack.pop()
-            total += sys.getsizeof(node) + sys.getsizeof(node.children) + sys.getsizeof(node.endpoints)
-            if node.group is not None and node.group.head is node:
-                total += sys.getsizeof(node.group)
-            stack.extend(node.children.values())
-        total += sum(sys.getsizeof(s) for s in self.seqs.values()) + sys.getsizeof(self.seqs)
-        return total + sum(sys.getsizeof(a) for a in self._active.values())
+        """Bytes of the tables, token pool and id maps (allocated, not just used)."""
+        arrays = (
+            self.nodes,
+            self.groups,
+            self.eps,
+            self.meta,
+            self.chash,
+            self.ehash,
+            self.tokens,
+            self.seqtab,
+            self.active,
+            self.actmeta,
+        )
+        maps = (self._slot, self._id_of, self._open)
+        return sum(a.nbytes for a in arrays) + sum(map(sys.getsizeof, maps))

@@ -1,4 +1,5 @@
-"""Suffix tree and cache against brute-force references on random token sequences (seeded property tests)."""
+"""Suffix tree and cache against brute-force references on random token sequences (seeded property tests); the
+reference's tie order and float32 arithmetic: test_arctic_reference.py."""
 
 from __future__ import annotations
 
@@ -8,19 +9,23 @@ from collections import Counter
 import pytest
 from helpers.suffix import brute_counts, expand
 
+from eval.serving.suffix.artifact import tree_to_arrays
 from eval.serving.suffix.cache import SpecConfig, SuffixCache
 from eval.serving.suffix.tree import SuffixTree
 
 
 def check_canonical(tree: SuffixTree) -> None:
-    """Compression is maximal: no non-root node has a single child with the same count."""
-    stack = [tree.root]
-    while stack:
-        node = stack.pop()
-        assert node.count >= sum(c.count for c in node.children.values())
-        if node is not tree.root and len(node.children) == 1:
-            assert next(iter(node.children.values())).count < node.count
-        stack.extend(node.children.values())
+    """Compression is maximal: no non-root node has a single child with the same count; siblings are in
+    decreasing count."""
+    a = tree_to_arrays(tree, sorted(tree.seqs))
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(a["parent"])):
+        children.setdefault(int(a["parent"][i]), []).append(int(a["count"][i]))
+    for node, counts in children.items():
+        assert a["count"][node] >= sum(counts)
+        assert counts == sorted(counts, reverse=True)
+        if node != 0 and len(counts) == 1:
+            assert counts[0] < a["count"][node]
 
 
 def random_case(seed: int):
@@ -46,7 +51,7 @@ def test_tree_matches_brute_force_under_interleaved_appends_and_removal(seed):
         del seqs[k]
         assert expand(tree) == brute_counts(seqs.values(), depth)
         check_canonical(tree)
-    assert tree.root.count == sum(map(len, seqs.values()))
+    assert tree.root_count == sum(map(len, seqs.values()))
     assert max(map(len, expand(tree)), default=0) <= depth
 
 
@@ -77,12 +82,13 @@ def test_drafts_equal_brute_force_enumeration(seed):
     src = rng.choice(list(seqs.values()))
     i = rng.randrange(len(src))
     context = src[i : i + rng.randint(1, 2)]
-    pos = tree.match(context)
-    assert pos is not None
-    probs = brute_continuations(list(seqs.values()), depth, context)
     budget, min_prob = rng.randint(1, 6), rng.choice([0.0, 0.1, 0.3])
+    # a token no sequence holds in front: the tails of `context` are the match candidates, each with `budget`
+    kw = dict(max_spec=budget, factor=float(budget), min_token_prob=min_prob)
 
-    path = tree.speculate_path(pos[0], pos[1], budget, min_prob)
+    path = tree.speculate([vocab_size(seqs), *context], tree=False, **kw)
+    assert 1 <= path.match_len <= len(context)
+    probs = brute_continuations(list(seqs.values()), depth, context[-path.match_len :])
     w = ()
     for tok, p in zip(path.tokens, path.probs, strict=True):  # each step takes a most probable next token
         options = {k[-1]: q for k, q in probs.items() if len(k) == len(w) + 1 and k[:-1] == w}
@@ -91,9 +97,12 @@ def test_drafts_equal_brute_force_enumeration(seed):
         w += (tok,)
     options = [q for k, q in probs.items() if len(k) == len(w) + 1 and k[:-1] == w]
     assert len(path.tokens) == budget or not options or max(options) < min_prob * (1 + 1e-6)
+    assert path.score == pytest.approx(sum(path.probs), rel=1e-6)
     # ties between equally frequent children follow the reference's sibling order (test_arctic_reference.py)
 
-    tree_draft = tree.speculate_tree(pos[0], pos[1], budget, min_prob)
+    tree_draft = tree.speculate([vocab_size(seqs), *context], tree=True, **kw)
+    assert 1 <= tree_draft.match_len <= len(context)
+    probs = brute_continuations(list(seqs.values()), depth, context[-tree_draft.match_len :])
     paths = []
     for i, (tok, parent) in enumerate(zip(tree_draft.tokens, tree_draft.parents, strict=True)):
         assert parent < i
@@ -103,6 +112,10 @@ def test_drafts_equal_brute_force_enumeration(seed):
     eligible = sorted((p for p in probs.values() if p >= min_prob), reverse=True)
     # best-first = the top-`budget` continuations by probability (ancestors are never less probable)
     assert sorted(tree_draft.probs, reverse=True) == pytest.approx(eligible[:budget], rel=1e-6)
+
+
+def vocab_size(seqs) -> int:
+    return max(max(s) for s in seqs.values()) + 1
 
 
 def test_budget_rule_and_best_match_length():
@@ -156,17 +169,3 @@ def test_closed_sequence_and_bad_depth_are_refused():
         SuffixTree(0)
     with pytest.raises(ValueError, match="max_spec"):
         SpecConfig(max_spec=0)
-
-
-def test_pure_python_fallback_says_which_tree_runs(monkeypatch, caplog):
-    """Without numba the cache runs the pure-Python tree and says so once (a warning naming the fix)."""
-    from eval.serving.suffix import cache as cache_module
-
-    monkeypatch.setattr(cache_module, "compiled_available", lambda: False)
-    cache_module._say_pure_python.cache_clear()
-    with caplog.at_level("WARNING", logger=cache_module.__name__):
-        first, second = SuffixCache(SpecConfig(max_depth=4)), SuffixCache(SpecConfig(max_depth=4))
-    assert type(first.global_tree) is SuffixTree and type(second.global_tree) is SuffixTree
-    said = [r.getMessage() for r in caplog.records if "pure-Python" in r.getMessage()]
-    assert len(said) == 1 and "[fast]" in said[0]
-    cache_module._say_pure_python.cache_clear()
