@@ -105,18 +105,18 @@ def fit_pairwise(
     edge: int,
     alpha: float,
     pair_alpha: float = 0.05,
-    weight: str = "log-gap",
+    weight: str = "gap",
     partners: int = 16,
     seed: int = 0,
     iterations: int = 200,
 ) -> dict:
     """The ridge fit of :func:`fit`, refined by a pairwise logistic loss weighted by what misordering a pair
-        costs: ``log-gap`` weighs pair (i, j) by |log len_i - log len_j| (the latency a swap costs, relative), ``gap``
-        by |len_i - len_j| / mean length (absolute), ``none`` by 1 (RankNet).  Each prompt meets ``partners`` random
-        others; L-BFGS from the ridge weights (penalty ``alpha``), with an L2 penalty of ``pair_alpha`` / (number of
-    prompts) on the mean pair loss.  The scores are then mapped back
-        to log-length units (a 1-d least-squares fit on the training prompts), so that a proxy's priority and its
-        aging keep their meaning.  Same tensors as :func:`fit`."""
+    costs: ``gap`` weighs pair (i, j) by |len_i - len_j| / mean length (serving the longer one first adds that much
+    to the pair's total latency), ``log-gap`` by |log len_i - log len_j| (relative), ``none`` by 1 (RankNet).  Each
+    prompt meets ``partners`` random others; L-BFGS from the ridge weights (penalty ``alpha``), with an L2 penalty
+    of ``pair_alpha`` / (number of prompts) on the mean pair loss.  The scores are then mapped back to log-length
+    units (a 1-d least-squares fit on the training prompts), so that a proxy's priority and its aging keep their
+    meaning.  Same tensors as :func:`fit`."""
     from scipy.optimize import minimize
 
     tensors = fit(token_ids, lengths, bits, edge, alpha)
@@ -129,15 +129,15 @@ def fit_pairwise(
     gap = target[i] - target[j]
     keep = gap != 0
     i, j, gap = i[keep], j[keep], gap[keep]
-    if weight == "log-gap":
-        w_pair = np.abs(gap)
-    elif weight == "gap":
+    if weight == "gap":
         raw = np.asarray(lengths, np.float64)
         w_pair = np.abs(raw[i] - raw[j]) / raw.mean()
+    elif weight == "log-gap":
+        w_pair = np.abs(gap)
     elif weight == "none":
         w_pair = np.ones_like(gap)
     else:
-        raise ValueError(f"pair weight {weight!r} is unknown; to resolve, pass log-gap, gap or none")
+        raise ValueError(f"pair weight {weight!r} is unknown; to resolve, pass gap, log-gap or none")
     w_pair, sign = w_pair / w_pair.sum(), np.sign(gap)
     penalty = pair_alpha / len(target)
 

@@ -53,9 +53,10 @@ class TrainConfig(BaseModel):
         description="buckets = classification baseline; the ngram kind fits a ridge regression unless pairwise",
     )
     pair_alpha: float = Field(0.05, gt=0, description="pairwise: L2 penalty of the pair loss (ngram kind)")
-    pair_weight: Literal["log-gap", "gap", "none"] = Field(
-        "log-gap",
-        description="pairwise: what a misordered pair costs, |log len_i - log len_j| or |len_i - len_j|",
+    pair_weight: Literal["gap", "log-gap", "none"] = Field(
+        "gap",
+        description="pairwise: what a misordered pair costs: |len_i - len_j| (the latency a swap adds), "
+        "|log len_i - log len_j| or 1",
     )
     target_model: str | None = Field(
         None, description="served model (swiftkv-head); default: the traces' model"
