@@ -6,14 +6,15 @@ turn with the served model (temperature, top-p and a length cap as given), and w
 ``prompt_len``, ``output_len``, ``finished``) with a ``meta.json`` naming the model, the cap and the generation
 time, which ``ranking train`` / ``evaluate`` read.  Prints the fraction of replies that hit the cap.
 
-Resumable and bounded: prompts go to the engine ``--chunk`` at a time and each finished chunk is appended to
-the JSONL; a rerun with the same options continues after the last complete chunk, and a run stops starting
-chunks once ``--time-limit`` seconds would be passed (judged by its slowest chunk so far).  The engine is seeded with
-``--seed`` plus the number of replies already written (vLLM's CPU build refuses per-request seeds: "CPU Generator
-does not use offset"), so a rerun is reproducible, though not the samples of one uninterrupted run.
+Resumable and bounded: every prompt not yet in the JSONL goes to one engine, which keeps ``--max-num-seqs``
+replies in flight; each reply is appended as soon as it finishes (no batch waits for its longest reply), and after
+``--time-limit`` seconds the unfinished ones are aborted.  A rerun with the same options answers the prompts still
+missing.  The engine is seeded with ``--seed`` plus the number of replies already written (vLLM's CPU build
+refuses per-request seeds: "CPU Generator does not use offset"), so a rerun is reproducible, though not the
+samples of one uninterrupted run; replies are written in the order they finish.
 
-    .venv-vllm/bin/python scripts/bench_rank_traces.py MODEL out/sg-train --out out/own-traces --limit 3000 \\
-        --max-new-tokens 2048 --time-limit 1500            # rerun until it prints "complete"
+    .venv-vllm/bin/python scripts/bench_rank_traces.py MODEL out/own-prompts --out out/own-traces --limit 3500 \\
+        --max-new-tokens 2048 --time-limit 1380            # rerun until it prints "complete"
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +52,14 @@ def generate(
     rows: list[dict],
     out: Path,
     meta: dict,
-    sample: Callable[[list[dict], int], list[tuple[int, bool]]],
-    chunk: int,
+    sample: Callable[[list[dict], int, Callable[[], bool]], Iterator[tuple[int, int, bool]]],
     time_limit: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> dict:
-    """Append (length, finished) of ``sample(rows[i:i + chunk], i)`` to ``out/traces.jsonl`` chunk by chunk,
-    after the rows already there; stop before a chunk that would pass ``time_limit`` seconds.  ``meta`` (the
-    options) must equal what ``out/meta.json`` holds, if anything; returns the updated meta."""
+    """Append a trace for each ``(k, length, finished)`` that ``sample(todo, already, expired)`` yields: ``k``
+    indexes ``todo``, the rows whose prompt is not in ``out/traces.jsonl`` yet, ``already`` counts those that are,
+    and ``expired()`` turns true after ``time_limit`` seconds, when the sampler must stop.  ``meta`` (the options)
+    must equal what ``out/meta.json`` holds, if anything; returns the updated meta and ``done``."""
     out.mkdir(parents=True, exist_ok=True)
     meta_file, file = out / "meta.json", out / "traces.jsonl"
     old = json.loads(meta_file.read_text()) if meta_file.is_file() else None
@@ -66,26 +67,27 @@ def generate(
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         raise ValueError(f"{out} holds traces made with other options {diff}; to resolve, use a new --out")
     meta = {**meta, "generation_s": 0.0, **(old or {})}
-    done = len(done_rows(file))
-    if [r["prompt"] for r in done_rows(file)] != [r["prompt"] for r in rows[:done]]:
-        raise ValueError(
-            f"{file} holds other prompts than the source's first {done}; to resolve, use a new --out"
-        )
-    start, slowest = clock(), 0.0
+    done = {r["prompt"] for r in done_rows(file)}
+    if not done <= {r["prompt"] for r in rows}:
+        raise ValueError(f"{file} holds prompts the source does not; to resolve, use a new --out")
+    todo = [r for r in rows if r["prompt"] not in done]
+    start = clock()
     with open(file, "a") as f:
-        while done < len(rows) and clock() - start + slowest <= time_limit:
-            t0 = clock()
-            part = rows[done : done + chunk]
-            for r, (length, finished) in zip(part, sample(part, done), strict=True):
-                f.write(json.dumps({"prompt": r["prompt"], "prompt_len": r["prompt_len"], "output_len": length,
-                                    "finished": finished}) + "\n")  # fmt: skip
+        for k, length, finished in (
+            sample(todo, len(done), lambda: clock() - start > time_limit) if todo else ()
+        ):
+            r = todo[k]
+            f.write(json.dumps({"prompt": r["prompt"], "prompt_len": r["prompt_len"], "output_len": length,
+                                "finished": finished}) + "\n")  # fmt: skip
             f.flush()
-            done += len(part)
-            slowest = max(slowest, clock() - t0)
-            meta["generation_s"] += clock() - t0
-            meta_file.write_text(json.dumps(meta, indent=1))
-    meta_file.write_text(json.dumps({**meta, "complete": done == len(rows)}, indent=1))
-    return {**meta, "done": done, "complete": done == len(rows)}
+            done.add(r["prompt"])
+    meta = {
+        **meta,
+        "generation_s": meta["generation_s"] + clock() - start,
+        "complete": len(done) == len(rows),
+    }
+    meta_file.write_text(json.dumps(meta, indent=1))
+    return {**meta, "done": len(done)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=256, help="prompts per engine call (one append each)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="replies in flight at once")
     p.add_argument(
-        "--time-limit", type=float, default=1500.0, help="seconds; no chunk starts that would pass it"
+        "--time-limit", type=float, default=1380.0, help="seconds; then unfinished replies are aborted"
     )
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     args = p.parse_args(argv)
@@ -112,34 +114,47 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if min(args.limit, args.max_new_tokens, args.chunk) < 1 or args.time_limit <= 0:
-        print("--limit, --max-new-tokens, --chunk and --time-limit must be positive", file=sys.stderr)
+    if min(args.limit, args.max_new_tokens, args.max_num_seqs) < 1 or args.time_limit <= 0:
+        print("--limit, --max-new-tokens, --max-num-seqs and --time-limit must be positive", file=sys.stderr)
         return 2
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("prompt_len", 0) <= args.max_prompt_tokens][: args.limit]
     meta = {"model": str(args.model.resolve()), "data": str(source.resolve()), "source": "own-generations-vllm",
             **{k: getattr(args, k) for k in OPTIONS}}  # fmt: skip
-    llm = None
 
-    def sample(part: list[dict], first: int) -> list[tuple[int, bool]]:
-        nonlocal llm
+    def sample(
+        todo: list[dict], already: int, expired: Callable[[], bool]
+    ) -> Iterator[tuple[int, int, bool]]:
         import os
 
         from eval.serving.vllm.cpu import cpu_environment, make_llm
 
-        if llm is None:  # only when there is work: a finished directory starts no engine
-            os.environ.update(cpu_environment(tempfile.mkdtemp(prefix="rank-traces-")))
-            llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
-                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), dtype="float32",
-                           seed=args.seed + first)  # fmt: skip
+        os.environ.update(cpu_environment(tempfile.mkdtemp(prefix="rank-traces-")))
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-        outputs = llm.chat([[{"role": "user", "content": r["prompt"]}] for r in part], params, use_tqdm=False)
-        return [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop") for o in outputs]
+        llm = make_llm(args.model, max_model_len=args.max_prompt_tokens + args.max_new_tokens + 64,
+                       kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), dtype="float32",
+                       max_num_seqs=args.max_num_seqs, seed=args.seed + already)  # fmt: skip
+        engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens
+        )
+        for k, r in enumerate(todo):  # the chat template, as llm.chat applies it
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+            engine.add_request(str(k), {"prompt_token_ids": ids}, params)
+        left = set(range(len(todo)))
+        while left and not expired():
+            for output in engine.step():
+                if output.finished:
+                    left.discard(int(output.request_id))
+                    reply = output.outputs[0]
+                    yield int(output.request_id), len(reply.token_ids), reply.finish_reason == "stop"
+        if left:
+            engine.abort_request([str(k) for k in left])
 
     try:
-        result = generate(rows, args.out, meta, sample, args.chunk, args.time_limit)
+        result = generate(rows, args.out, meta, sample, args.time_limit)
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""scripts/bench_rank_traces.py without vLLM: a fake sampler shows that runs resume after the last complete chunk,
-stop before the time limit, and refuse other options or prompts."""
+"""scripts/bench_rank_traces.py without vLLM: a fake engine that finishes replies out of order shows that each reply
+is kept as it finishes, a run stops at its time limit, a rerun answers only the prompts still missing, and other
+options or prompts are refused."""
 
 import json
 import sys
@@ -14,53 +15,51 @@ ROWS = [{"prompt": f"p{i}", "prompt_len": 4 + i} for i in range(10)]
 META = {"model": "m", "max_new_tokens": 8}
 
 
-class Clock:
-    """The time of the fake sampler, whose every chunk takes 10 s."""
+class FakeEngine:
+    """One reply finishes every 10 s of its clock, the shortest first (length = 1 + prompt number % 8, capped
+    at 8); ``calls`` records (prompts asked, already written) per run."""
 
     def __init__(self):
-        self.t = 0.0
+        self.t, self.calls = 0.0, []
 
-    def __call__(self):
+    def clock(self) -> float:
         return self.t
 
+    def sample(self, todo, already, expired):
+        self.calls.append(([r["prompt"] for r in todo], already))
+        lengths = [1 + int(r["prompt"][1:]) % 8 for r in todo]
+        for k in sorted(range(len(todo)), key=lambda k: lengths[k]):
+            if expired():
+                return
+            self.t += 10.0
+            yield k, lengths[k], lengths[k] < 8
 
-def sampler(calls: list, clock: Clock | None = None):
-    def sample(part, first):  # the length depends on the request's index only, like a per-request seed
-        calls.append((first, len(part)))
-        if clock is not None:
-            clock.t += 10.0
-        return [((first + i) % 8 + 1, (first + i) % 8 != 7) for i in range(len(part))]
 
-    return sample
-
-
-def test_resumes_within_the_time_limit_and_equals_one_run(tmp_path):
-    calls, clock = [], Clock()
-    first = brt.generate(
-        ROWS, tmp_path / "a", META, sampler(calls, clock), chunk=3, time_limit=25, clock=clock
-    )
-    assert calls == [(0, 3), (3, 3)] and first["done"] == 6 and not first["complete"]  # a third: 30 s > 25
-    assert first["generation_s"] == 20
-    with open(tmp_path / "a" / "traces.jsonl", "a") as f:
-        f.write('{"prompt": "p6", "prom')  # a run killed mid-line
-    brt.generate(ROWS, tmp_path / "a", META, sampler(calls), chunk=3, time_limit=1e9, clock=Clock())
-    assert calls[2:] == [(6, 3), (9, 1)]
-    whole = brt.generate(ROWS, tmp_path / "b", META, sampler([]), chunk=4, time_limit=1e9, clock=Clock())
-    assert whole["complete"] and json.loads((tmp_path / "a" / "meta.json").read_text())["complete"]
-    assert (tmp_path / "a" / "traces.jsonl").read_text() == (tmp_path / "b" / "traces.jsonl").read_text()
-    rows = brt.done_rows(tmp_path / "b" / "traces.jsonl")
-    assert [r["output_len"] for r in rows] == [i % 8 + 1 for i in range(10)] and not rows[7]["finished"]
-    calls.clear()
-    brt.generate(ROWS, tmp_path / "b", META, sampler(calls), chunk=4, time_limit=1e9, clock=Clock())
-    assert calls == []  # nothing left: no engine call
+def test_replies_are_kept_as_they_finish_and_a_rerun_answers_the_rest(tmp_path):
+    fake = FakeEngine()
+    first = brt.generate(ROWS, tmp_path, META, fake.sample, time_limit=35, clock=fake.clock)
+    assert first["done"] == 4 and not first["complete"] and first["generation_s"] == 40
+    kept = brt.done_rows(tmp_path / "traces.jsonl")
+    assert [r["prompt"] for r in kept] == ["p0", "p8", "p1", "p9"]  # in the order they finished
+    with open(tmp_path / "traces.jsonl", "a") as f:
+        f.write('{"prompt": "p2", "prom')  # a run killed mid-line
+    second = brt.generate(ROWS, tmp_path, META, fake.sample, time_limit=1e9, clock=fake.clock)
+    assert second["complete"] and second["done"] == 10 and second["generation_s"] == 100
+    assert fake.calls[1] == (["p2", "p3", "p4", "p5", "p6", "p7"], 4)
+    rows = {r["prompt"]: r for r in brt.done_rows(tmp_path / "traces.jsonl")}
+    assert len(rows) == 10 and rows["p7"] == {"prompt": "p7", "prompt_len": 11, "output_len": 8, "finished": False}
+    assert json.loads((tmp_path / "meta.json").read_text())["complete"]
+    brt.generate(ROWS, tmp_path, META, fake.sample, time_limit=1e9, clock=fake.clock)
+    assert len(fake.calls) == 2  # nothing left: no engine started
 
 
 def test_other_options_or_prompts_are_refused(tmp_path):
-    brt.generate(ROWS, tmp_path, META, sampler([]), chunk=5, time_limit=1e9, clock=Clock())
+    fake = FakeEngine()
+    brt.generate(ROWS[:3], tmp_path, META, fake.sample, 1e9, fake.clock)
     with pytest.raises(ValueError, match="other options"):
-        brt.generate(ROWS, tmp_path, {**META, "max_new_tokens": 9}, sampler([]), 5, 1e9, Clock())
-    with pytest.raises(ValueError, match="other prompts"):
-        brt.generate(ROWS[::-1], tmp_path, META, sampler([]), 5, 1e9, Clock())
+        brt.generate(ROWS, tmp_path, {**META, "max_new_tokens": 9}, fake.sample, 1e9, fake.clock)
+    with pytest.raises(ValueError, match="prompts the source does not"):
+        brt.generate(ROWS[5:], tmp_path, META, fake.sample, 1e9, fake.clock)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
