@@ -208,10 +208,12 @@ def measure_sequence(
     chunk: int,
     sinks: int = 4,
     window: int = 64,
+    done: Callable[[str, dict], None] | None = None,
 ) -> dict[str, dict]:
     """One sequence, every method (``methods[0]`` the reference): summed NLL, KL(reference ‖ method) and top-1
     agreements over the continuation ``ids[:, prefix:]``, their count, the KV bytes held at the end (exact
-    K/V counted at 16 bits) and what fp16 K/V of the same tokens would cost."""
+    K/V counted at 16 bits) and what fp16 K/V of the same tokens would cost; ``done(method, result)`` is
+    called as each method finishes (so a caller can keep results of a sequence cut short)."""
     targets, shared, ref, out = ids[:, prefix:], SharedPrefill(model, ids[:, :prefix]), None, {}
     for m in methods:
         cache = make_method(m, model, factors, sinks, window)()
@@ -225,6 +227,8 @@ def measure_sequence(
             "fp16": fp16_kv_bytes(model.config, ids.shape[1] - 1),
             "seconds": seconds,
         }
+        if done:
+            done(m, out[m])
     return out
 
 

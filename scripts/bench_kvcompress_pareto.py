@@ -14,8 +14,8 @@ command fixes both:
    docstrings of eval.prompt_heavy_data.STDLIB_MODULES, read by a fresh interpreter, joined in that order
    and cut into sequences): perplexity increase over the full cache on the continuation, and KV memory
    against fp16 at the end, exact K/V counted at 16 bits;
-3. every (set, sequence, method) result is appended to OUT.records.jsonl as soon as it is measured, and a
-   run skips what is there: a sweep longer than one sitting is split into runs of --budget-minutes (a run
+3. every (set, sequence, method) result is appended to OUT.records.jsonl as soon as it is measured (a
+   sequence cut short keeps its finished methods), and a run skips what is there: a sweep longer than one sitting is split into runs of --budget-minutes (a run
    starts no sequence it cannot finish in that time, by the last sequence's duration), the same command
    each time;
 4. OUT.json (everything), OUT.md (per set: the table with bootstrap 95% intervals of the perplexity
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+import swiftkv  # noqa: F401  (registers the SwiftKV model types, so a SwiftKV checkpoint loads)
 from kvcompress.cache import TaleCache
 from kvcompress.calibrate import calibrate, chat_sequences
 from kvcompress.evaluate import make_method, measure_sequence, summarize
@@ -280,20 +281,19 @@ def measure(model, factors, sets, methods: list[str], args, path: Path, progress
                 progress(f"budget of {args.budget_minutes:g} min reached: rerun the same command to go on")
                 return records
             start = time.monotonic()
-            got = measure_sequence(
-                model,
-                ids,
-                factors,
-                [methods[0], *[m for m in todo if m != methods[0]]],
-                args.prefix,
-                args.chunk,
-                args.sinks,
-                args.window,
+
+            def keep(method: str, result: dict, name=name, i=i, todo=todo) -> None:
+                if method in todo:  # the reference reruns for KL when only other methods were due
+                    with path.open("a") as f:
+                        f.write(
+                            json.dumps({"set": name, "seq": i, "method": method, "result": result}) + "\n"
+                        )
+                    records.setdefault((name, i), {})[method] = result
+
+            ordered = [methods[0], *[m for m in todo if m != methods[0]]]
+            measure_sequence(
+                model, ids, factors, ordered, args.prefix, args.chunk, args.sinks, args.window, keep
             )
-            with path.open("a") as f:
-                for m in todo:
-                    f.write(json.dumps({"set": name, "seq": i, "method": m, "result": got[m]}) + "\n")
-            records.setdefault((name, i), {}).update({m: got[m] for m in todo})
             last = time.monotonic() - start
             progress(f"{name} sequence {i + 1}/{len(seqs)}: {len(todo)} methods in {last:.0f} s")
     return records
