@@ -14,7 +14,7 @@ from toolkit.cliargs import (
 )
 
 EPILOG = """examples:
-  swiftkv kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 8,4,2
+  swiftkv kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 4,2,2
   swiftkv kvcompress calibrate models/smollm2 --out out/kv --limit 32 --max-length 256 --force
 then:
   python -c "from kvcompress import load_compressed; m, cache = load_compressed('models/smollm2', 'out/kv')"
@@ -39,15 +39,21 @@ def build_parser() -> ArgumentParser:
         help="tokens per calibration sequence: the context length you serve (default: 2048)",
     )
     cal.add_argument(
-        "--rank-budget", type=float, default=0.25, help="average rank / head_dim of compressed tokens"
+        "--rank-budget",
+        type=float,
+        default=0.375,
+        help="average key rank / head_dim of compressed tokens (default: 0.375)",
     )
     cal.add_argument(
-        "--bits", type=int_list, default=[8, 4, 2], help="bit width per tier, most significant first"
+        "--bits",
+        type=int_list,
+        default=[4, 2, 2],
+        help="bit width per tier, most significant first (default: 4,2,2)",
     )
     cal.add_argument(
         "--scales",
-        default="tt",
-        help="key and value scales of every tier: t per token, c per channel over groups of tokens (default: tt)",
+        default="cc",
+        help="key and value scales of every tier: t per token, c per channel over groups of tokens (default: cc)",
     )
     cal.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept exact (default: 4)")
     cal.add_argument("--window", type=int, default=64, help="recent tokens kept exact (default: 64)")

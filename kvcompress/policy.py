@@ -25,9 +25,10 @@ rank; the remaining key-rank budget is shared by the other tiers with ranks halv
 are 1.5x key ranks.  These defaults come from measurements on SmolLM2.  A probe on one held-out sequence
 (512+128 tokens), at equal bytes: the most significant half at full rank and the rest at rank 32/64 had
 KL 0.032, vs 0.134 for a uniform key rank 48, and 0.071 with the significance order reversed.  2-bit integer codes are only usable for the
-least significant tokens: uniform 2-bit per-token quantization broke SmolLM2 (+838% ppl), while the
-default ``--rank-budget 0.25 --bits 8,4,2`` (10% full rank at 8 bits, 30% rank 16/24 at 4 bits, 60% rank
-8/16 at 2 bits) gave 5.2x smaller KV than fp16 at +2.6% ppl (scripts/bench_kvcompress.py, 3 sequences).
+least significant tokens with per-token scales: uniform 2-bit per-token quantization broke SmolLM2 (+838%
+ppl).  With per-channel scales (``scales``, ``kvcompress.quant``) 2 bits carry most tiers: the calibration
+default ``--rank-budget 0.375 --bits 4,2,2 --scales cc`` (10% full rank at 4 bits, 30% rank 32/48 and 60%
+rank 16/24 at 2 bits) was the Pareto point of the 2026-12-06 sweep (docs/results/kvcompress.md).
 """
 
 from __future__ import annotations
