@@ -21,9 +21,16 @@ def model_and_factors():
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_channel_scales_error_is_at_most_half_a_step_of_each_group_and_channel(bits):
-    x = torch.randn(2, 3, 70, 16) * torch.logspace(1, -2, 16)  # ranges falling along the rank, as PCA coefficients
+    x = torch.randn(2, 3, 70, 16) * torch.logspace(
+        1, -2, 16
+    )  # ranges falling along the rank, as PCA coefficients
     q = quantize(x, bits, token_group=32)
-    assert q.starts.tolist() == [0, 32, 64] and q.scale.shape == (2, 3, 3, 16)  # the last group holds 6 tokens
+    assert q.starts.tolist() == [0, 32, 64] and q.scale.shape == (
+        2,
+        3,
+        3,
+        16,
+    )  # the last group holds 6 tokens
     err = (dequantize(q) - x).abs()
     for g, (lo, hi) in enumerate([(0, 32), (32, 64), (64, 70)]):
         part = x[..., lo:hi, :]
@@ -43,13 +50,17 @@ def test_channel_scale_kernels_equal_dequantize_then_matmul(bits):
     pytest.importorskip("numba")
     torch.manual_seed(0)
     x = torch.randn(2, 3, 77, 16) * torch.linspace(4, 0.1, 16)
-    tier = append(quantize(x[..., :70, :], bits, token_group=32), quantize(x[..., 70:, :], bits, token_group=32), 8)
+    tier = append(
+        quantize(x[..., :70, :], bits, token_group=32), quantize(x[..., 70:, :], bits, token_group=32), 8
+    )
     assert tier.starts.tolist() == [0, 32, 64, 70] and kernels._fused(tier, 5)
     q, p = torch.randn(2, 3, 5, 24), torch.softmax(torch.randn(2, 3, 5, 80), -1)
     coeffs = dequantize(tier)
     scores = torch.full((2, 3, 5, 81), 7.0)
     kernels.tier_scores(q, tier, scores, 3)
-    torch.testing.assert_close(scores[..., 3:80], q[..., :16] @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        scores[..., 3:80], q[..., :16] @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
+    )
     assert bool((scores[..., :3] == 7).all() and (scores[..., 80:] == 7).all())
     values = torch.ones(2, 3, 5, 24)
     kernels.tier_values(p, tier, values, 3)
@@ -61,7 +72,9 @@ def _view_bytes(q: QTensor) -> int:
     return sum(t.numel() * t.element_size() for t in q.tensors())
 
 
-@pytest.mark.parametrize("k_scales,v_scales", [("channel", "token"), ("channel", "channel"), ("token", "token")])
+@pytest.mark.parametrize(
+    "k_scales,v_scales", [("channel", "token"), ("channel", "channel"), ("token", "token")]
+)
 def test_bytes_per_token_are_the_bytes_stored(k_scales, v_scales):
     """``Policy.compressed_bytes_per_token`` is what the stored tensors of full channel groups take (plus one
     int32 group start per group and tier, shared by the heads), for every mix of scales."""
@@ -150,7 +163,9 @@ def test_kivi_cache_equals_numpy_kivi(model_and_factors, bits):
     h, d = keys.shape[0], HEAD_DIM
     exact = (n - c) * h * d * 4 * 2 + (n - c) * h * 4 + (n - c) * 4  # float32 K/V, acc, cnt
     codes = 2 * c * h * d * bits // 8
-    scales = (c // group) * h * d * 2 * 2 + c * h * (d // group) * 2 * 2  # fp16 scale+zero: K per channel, V per token
+    scales = (c // group) * h * d * 2 * 2 + c * h * (
+        d // group
+    ) * 2 * 2  # fp16 scale+zero: K per channel, V per token
     starts = 4 * (c // group)
     used = sum(t.numel() * t.element_size() for t in layer.held_tensors())
     assert used == exact + codes + scales + starts
