@@ -174,10 +174,12 @@ def test_skipped_layers_top_tier_predicts_later_attention_better_than_one_row():
             for i in range(prompt, prompt + need - 1):
                 model(ids[:, i : i + 1], cache=cache)
             layer = cache.layers[2]
-            assert layer.n_compressed == prompt - 2  # exactly the prompt after the sinks is tiered
+            # the prompt after the sinks is tiered, in whole bytes of 2-bit tier ids (4 tokens at a time)
+            tiered = (prompt - 2) // 4 * 4
+            assert layer.n_compressed == tiered
             top = layer.tier_positions(0)[0]
             for h, picked in enumerate(top.tolist()):
-                best = oracle[h].topk(len(picked)).indices.tolist()
+                best = oracle[h, :tiered].topk(len(picked)).indices.tolist()
                 overlap[observe] += len(set(picked) & set(best)) / len(picked) / 6
     # measured: 0.36 from one row (chance: 0.25), 0.62 from the observation window
     assert overlap[LOSSY.observe] > overlap[1] + 0.1, overlap
