@@ -57,7 +57,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import bench_serve as bs  # noqa: E402  (the servers, the client and its summary)
 
 from eval.serving.ranking.proxy import AGING_S  # noqa: E402
-from toolkit.cliargs import ArgumentParser, UsageError, add_out, existing_path, run  # noqa: E402
+from toolkit.cliargs import ArgumentParser, UsageError, add_out, existing_path, positive_float, run  # noqa: E402
 
 ARMS = ("fcfs", "ranker", "ranker-aged", "oracle")
 POLICY = {"fcfs": "fcfs", "ranker": "ltr", "ranker-aged": "ltr", "oracle": "oracle"}  # the simulator's names
@@ -363,17 +363,6 @@ def _arms(text: str) -> list[str]:
     return arms
 
 
-def _seconds(text: str) -> float:
-    """argparse type: a positive finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
 def _positive(text: str) -> int:
     """argparse type: an integer >= 1 (refused before any server starts)."""
     if not text.isdigit() or int(text) < 1:
@@ -398,7 +387,7 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument(
         "--aging-s",
-        type=_seconds,
+        type=positive_float,
         default=AGING_S,
         help=f"the ranker-aged arm's proxy --aging-s (default {AGING_S:g})",
     )

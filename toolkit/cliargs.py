@@ -73,6 +73,17 @@ def existing_path(text: str) -> Path:
     return path
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (checked before any work)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """argparse type: a comma list of integers such as ``512,1024``."""
     try:

@@ -21,6 +21,7 @@ from toolkit.cliargs import (
     existing_path,
     float_list,
     int_list,
+    positive_float,
     run,
 )
 
@@ -100,7 +101,7 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument(
         "--client-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=CLIENT_TIMEOUT,
         help="seconds a client may take to send a request or idle between requests; then it is dropped "
         f"(default {CLIENT_TIMEOUT:g})",
@@ -220,17 +221,6 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (checked before any work)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
     return value
 
 
