@@ -90,6 +90,15 @@ class ServedHFLM(HFLM):
             return self.model(inps, use_cache=False, swiftkv_exact_mask=exact.to(inps.device)).logits
 
 
+def task_manager(tasks: list[str], tasks_dir: str | Path):
+    """lm-eval's task index over ``tasks_dir``, with lm-eval's own tasks only when ``tasks`` names one of them:
+    indexing its thousands of task files takes some 10 s a call, longer than scoring the job's quick tasks."""
+    from lm_eval.tasks import TaskManager
+
+    ours = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    return ours if set(tasks) <= set(ours.all_tasks) else TaskManager(include_path=str(tasks_dir))
+
+
 def run_harness(
     model_dir: str | Path,
     tasks: list[str],
@@ -102,7 +111,6 @@ def run_harness(
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model_dir`` on ``tasks`` and return {task: {metric: value}}."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     import swiftkv  # noqa: F401  (registers llama_swiftkv / qwen2_swiftkv with the Auto classes)
 
@@ -120,7 +128,7 @@ def run_harness(
     results = lm_eval.simple_evaluate(
         model=model,
         tasks=tasks,
-        task_manager=TaskManager(include_path=str(tasks_dir)),
+        task_manager=task_manager(tasks, tasks_dir),
         limit=limit,
         log_samples=False,
         bootstrap_iters=0,

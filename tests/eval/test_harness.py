@@ -172,3 +172,15 @@ def test_served_lm_scores_rolling_loglikelihood_as_a_prompt():
         scores[name] = (lm.loglikelihood_rolling(requests), lm.loglikelihood(pairs)[0][0])
     assert scores["served"][0] == pytest.approx(scores["stock"][0], abs=1e-5)
     assert abs(scores["served"][1] - scores["stock"][1]) > 1e-4
+
+
+@pytest.mark.smollm2
+def test_task_index_reads_lm_evals_own_tasks_only_when_one_is_named(tasks_dir):
+    """Our tasks resolve from their folder alone; naming one of lm-eval's own tasks beside them brings lm-eval's
+    index back, so a user's ``arc_easy`` still resolves."""
+    from eval.harness import task_manager
+
+    ours = task_manager(["sharegpt_mc", "sharegpt_ppl"], tasks_dir)
+    assert set(ours.all_tasks) == {"sharegpt_mc", "sharegpt_ppl"}
+    both = task_manager(["sharegpt_mc", "arc_easy"], tasks_dir)
+    assert {"sharegpt_mc", "arc_easy"} <= set(both.all_tasks)
