@@ -22,7 +22,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
 # its subprocesses, find them: beside the embedded assets, not in a temp folder that may be cleaned
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One OpenMP thread per core in all: each of N xdist workers, and every process it starts (launches, servers, the
+# job's subprocesses, which inherit OMP_NUM_THREADS), gets cores // N threads.  Two 2-thread processes on two cores
+# spin-wait for each other's cores: a CPU-bound file ran 6-9x slower beside its twin than with one thread each
+# (docs/results/test-lanes.md).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, len(os.sched_getaffinity(0))) // _workers)
+torch.set_num_threads(_threads)
+if _workers > 1:
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 # the checkout, as this file's place says (test_ci_rules.py runs a copy of it where no vLLM venv is beside it)
 ROOT = Path(__file__).resolve().parents[1]
 
