@@ -180,7 +180,7 @@ QUICK = JobConfig(
         max_new_tokens=8,
         band_replies=1,
         bands=[(512, 1024)],
-        retrieval_lengths=[256],
+        retrieval_lengths=[512],
         retrieval_samples=1,
         documents=1,
     ),
