@@ -164,9 +164,7 @@ def calibrated_cost(args, server, work: Path) -> dict:
     batches = sorted({1, max(1, seqs // 4), max(1, seqs // 2), seqs})
     prompts = sorted({64, 256, 512, min(1024, budget)} if not args.smoke else {16, 64})
     print(f"calibrating: decode batches {batches}, prompts {prompts}", file=sys.stderr, flush=True)
-    # decode tokens: enough that all streams of a batch overlap while the last ones are still being sent
-    cost = calibrate_server(server.url, server.name, tuple(batches), tuple(prompts),
-                            64 if args.smoke else 48, 1 if args.smoke else 3)  # fmt: skip
+    cost = calibrate_server(server.url, server.name, tuple(batches), tuple(prompts), 48, 1 if args.smoke else 3)
     (work / "cost.json").write_text(json.dumps(cost))
     return cost
 
