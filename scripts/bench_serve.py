@@ -210,6 +210,7 @@ def serving(label: str, model: Path, engine: list[str], work: Path, env: dict[st
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_exit_with_parent,
             )  # fmt: skip
+        print(f"{label} server (process group {process.pid}) starting", file=sys.stderr, flush=True)
         server = Server(label, model, name, port, process, log)
         try:
             server.ready(START_TIMEOUT_S)

@@ -109,8 +109,8 @@ def test_load_smoke(checkpoints, vllm_python, sharegpt, tmp_path):
 @pytest.mark.vllm
 @pytest.mark.smollm2
 def test_servers_exit_when_the_benchmark_is_killed(checkpoints, vllm_python, sharegpt, tmp_path):
-    """SIGKILL of the benchmark right after both servers are up leaves no server behind (each is told to exit
-    when its parent dies, and takes its engine with it)."""
+    """SIGKILL of the benchmark once its first server is up (engine running) and its second is starting leaves
+    no server behind (each is told to exit when its parent dies, and takes its engine with it)."""
     import re
     import selectors
     import signal
@@ -131,23 +131,23 @@ def test_servers_exit_when_the_benchmark_is_killed(checkpoints, vllm_python, sha
     bench = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    groups, deadline = [], time.monotonic() + 900
+    started, up, deadline = [], [], time.monotonic() + 900
     with selectors.DefaultSelector() as sel:
         sel.register(bench.stderr, selectors.EVENT_READ)
-        while len(groups) < 2 and time.monotonic() < deadline and bench.poll() is None:
+        while len(started) < 2 and time.monotonic() < deadline and bench.poll() is None:
             if sel.select(timeout=5):
-                groups += [
-                    int(g) for g in re.findall(r"server \(process group (\d+)\) up", bench.stderr.readline())
-                ]
-    running = [g for g in groups if not gone(g)]
+                line = bench.stderr.readline()
+                started += [int(g) for g in re.findall(r"server \(process group (\d+)\) starting", line)]
+                up += [int(g) for g in re.findall(r"server \(process group (\d+)\) up", line)]
+    running = [g for g in started if not gone(g)]
     bench.kill()
     bench.wait()
-    assert len(groups) == 2, "the servers did not come up"
-    assert running == groups  # both were running when the benchmark died
+    assert len(started) == 2 and up == started[:1], "the first server did not come up before the second started"
+    assert running == started  # both were running when the benchmark died
     deadline = time.monotonic() + 120
-    while not all(gone(g) for g in groups) and time.monotonic() < deadline:
+    while not all(gone(g) for g in started) and time.monotonic() < deadline:
         time.sleep(2)
-    left = [g for g in groups if not gone(g)]
+    left = [g for g in started if not gone(g)]
     for g in left:  # clean up before failing
         os.killpg(g, signal.SIGKILL)
     assert not left, f"server process groups {left} outlived the benchmark"
