@@ -188,7 +188,7 @@ def calibrate(
     data: str = "sharegpt",
     samples: int = 64,
     max_length: int = 2048,
-    rank_budget: float = 0.375,
+    rank_budget: float = 0.5,
     bits: Sequence[int | None] = (4, 2, 2),
     scales: str = "cc",
     sinks: int = 4,

@@ -41,8 +41,8 @@ def build_parser() -> ArgumentParser:
     cal.add_argument(
         "--rank-budget",
         type=float,
-        default=0.375,
-        help="average key rank / head_dim of compressed tokens (default: 0.375)",
+        default=0.5,
+        help="average key rank / head_dim of compressed tokens (default: 0.5)",
     )
     cal.add_argument(
         "--bits",

@@ -27,8 +27,10 @@ are 1.5x key ranks.  These defaults come from measurements on SmolLM2.  A probe 
 KL 0.032, vs 0.134 for a uniform key rank 48, and 0.071 with the significance order reversed.  2-bit integer codes are only usable for the
 least significant tokens with per-token scales: uniform 2-bit per-token quantization broke SmolLM2 (+838%
 ppl).  With per-channel scales (``scales``, ``kvcompress.quant``) 2 bits carry most tiers: the calibration
-default ``--rank-budget 0.375 --bits 4,2,2 --scales cc`` (10% full rank at 4 bits, 30% rank 32/48 and 60%
-rank 16/24 at 2 bits) was the Pareto point of the 2026-12-06 sweep (docs/results/kvcompress.md).
+default ``--rank-budget 0.5 --bits 4,2,2 --scales cc`` (10% full rank at 4 bits, 30% rank 40/64 and 60%
+rank 24/32 at 2 bits) is the TALE point of least perplexity increase on the 2026-12-06 sweep over 16 ShareGPT and 8
+documentation sequences (docs/results/kvcompress.md); rank, not bits, limits it: 4-bit tiers at lower rank and the
+same memory did worse.
 """
 
 from __future__ import annotations
