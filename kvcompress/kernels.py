@@ -1,4 +1,4 @@
-"""Fused kernels for a decode step over bit-packed tier coefficients (numba, the ``fast`` extra).
+"""Fused kernels for a decode step over bit-packed tier coefficients (numba).
 
 Why: in PyTorch, every decode step unpacks each tier's codes into float tensors (several temporaries the
 size of the tier) before the matmul, so a compressed cache does more memory traffic per step than the full
@@ -32,21 +32,16 @@ from __future__ import annotations
 
 import functools
 
+import numba
+import numpy as np
 import torch
 
 from . import quant
 
-try:
-    import numba
-    import numpy as np
-except ImportError:  # the `fast` extra is optional
-    numba = None
-
 SMALL_ROWS = 16  # query rows (query heads x tokens) up to which the fused kernels are used
 TABLE_TOKENS = 1024  # tokens from which a 2/4-bit tier uses byte tables (256 entries a byte to build)
 
-if numba is not None:
-    HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 @functools.cache
@@ -207,8 +202,7 @@ def _compiled(bits: int) -> tuple:
 def _fused(tier: quant.QTensor, rows: int) -> bool:
     groups = None if tier.scale is None else tier.scale.shape[-1]
     return (
-        numba is not None
-        and tier.bits in quant.INT_BITS
+        tier.bits in quant.INT_BITS
         and rows <= SMALL_ROWS
         and tier.data.device.type == "cpu"
         and len(tier) > 0

@@ -6,9 +6,8 @@ formatted and joined) is split into --prefix tokens (prefilled, then compressed)
 continuation.  Memory: bytes the cache really holds at the end, as a ratio to an fp16 KV cache of the same
 tokens.  Latency: median whole-model decode-step time after prefilling --latency-contexts tokens (one
 prefill per context, shared by the methods), methods interleaved in every round, as a ratio to the first
-method in the same run (every method on --threads torch threads; TALE's fused kernels, used when numba is
-installed (the `fast` extra), run on one), with the KV memory each cache holds and the process's peak
-memory.  Attention latency: the same, for one layer's cache update + attention over --attention-contexts
+method in the same run (every method on --threads torch threads; TALE's fused numba kernels run on one),
+with the KV memory each cache holds and the process's peak memory.  Attention latency: the same, for one layer's cache update + attention over --attention-contexts
 cached tokens of random K/V (the part of a step that differs between caches, timed without a long prefill).
 
 Contexts beyond the model's max_position_embeddings are timed as they are: a default (unscaled) RoPE
@@ -33,7 +32,7 @@ import sys
 
 import torch
 
-from kvcompress import evaluate, kernels
+from kvcompress import evaluate
 from kvcompress.attention import enable_tale
 from kvcompress.calibrate import accumulate, chat_sequences
 from kvcompress.evaluate import (
@@ -289,7 +288,6 @@ def bench(args) -> None:
             args.out,
             {
                 "args": vars(args),
-                "fused_kernels": kernels.numba is not None,
                 "quality": q,
                 "latency": lat,
                 "max_position_embeddings": model.config.max_position_embeddings,
