@@ -96,16 +96,12 @@ def bench(args) -> None:
             f"{r['literature_comparisons']:.3f} | {r['swaps_per_nlnn']:.3f} | {r['literature_swaps']:.3f} | "
             f"{r['misses_per_unit']:.3f} | {r['literature_misses']:.3f}"
         )
-    timing = {}
-    if mp.compiled_available():
-        timing = time_table(args.time_n, args.repeats, args.cutoff, args.seed)
-        base = timing["2-pivot"]
-        print(f"\ncompiled argsort, n={args.time_n}, median of {args.repeats} interleaved repeats")
-        print("sort | median s | vs 2-pivot | vs numpy quicksort")
-        for name, t in timing.items():
-            print(f"{name} | {t:.4f} | {t / base:.3f} | {t / timing['numpy quicksort']:.3f}")
-    else:
-        print("\nnumba is not installed: no compiled timings (pip install numba)")
+    timing = time_table(args.time_n, args.repeats, args.cutoff, args.seed)
+    base = timing["2-pivot"]
+    print(f"\ncompiled argsort, n={args.time_n}, median of {args.repeats} interleaved repeats")
+    print("sort | median s | vs 2-pivot | vs numpy quicksort")
+    for name, t in timing.items():
+        print(f"{name} | {t:.4f} | {t / base:.3f} | {t / timing['numpy quicksort']:.3f}")
     if args.out:
         from toolkit.artifacts import write_json_atomic
 

@@ -1,11 +1,10 @@
 """1-, 2- (Yaroslavskiy) and 3-pivot (Kushagra et al.) quicksort as argsorts, counted or compiled.
 
 Each algorithm is written once, inside :func:`_build`, and instantiated twice: as plain Python (exact
-counts of comparisons and swaps, optionally through a simulated LRU cache) and, when the optional
-``numba`` is installed, as compiled code for timing and for the scheduler's per-iteration ordering.
-Every algorithm sorts positions by the total order (key, position), so ties are broken by arrival
-order and the result equals ``np.argsort(keys, kind="stable")``, which :func:`argsort` uses when numba is
-absent (the pure-Python instantiation is for counting, far too slow for a scheduler).  Pivots are sampled with a small
+counts of comparisons and swaps, optionally through a simulated LRU cache) and compiled with numba, for
+timing and for the scheduler's per-iteration ordering (the pure-Python instantiation is for counting, far too
+slow for a scheduler).  Every algorithm sorts positions by the total order (key, position), so ties are broken
+by arrival order and the result equals ``np.argsort(keys, kind="stable")``.  Pivots are sampled with a small
 xorshift generator kept in the stats array, so both instantiations do the same work for a seed.
 """
 
@@ -197,17 +196,11 @@ _PURE = _build(lambda f: f)
 
 
 @functools.cache
-def _compiled() -> dict[int, Callable] | None:
-    try:
-        import numba
-    except ImportError:
-        return None
+def _compiled() -> dict[int, Callable]:
+    """The numba instantiation, compiled on first use (numba caches it on disk)."""
+    import numba
+
     return _build(numba.njit(cache=True), count=False)
-
-
-def compiled_available() -> bool:
-    """Whether the optional ``numba`` path is installed."""
-    return _compiled() is not None
 
 
 @dataclass
@@ -261,16 +254,12 @@ def _check(pivots: int, cutoff: int) -> None:
 def argsort(
     keys: Sequence[float] | np.ndarray, pivots: int = 3, cutoff: int = 16, seed: int = 1
 ) -> np.ndarray:
-    """Positions that sort ``keys`` ascending, ties by position: the compiled multi-pivot sort when numba is
-    installed, else ``np.argsort(kind="stable")``, the same order without a Python comparator per pair."""
+    """Positions that sort ``keys`` ascending, ties by position: the compiled multi-pivot sort."""
     _check(pivots, cutoff)
-    compiled = _compiled()
-    if compiled is None:
-        return np.argsort(np.asarray(keys, dtype=np.float64), kind="stable")
     k = np.array(keys, dtype=np.float64)  # a copy: it is sorted along
     stats = np.array([0, 0, seed & _MASK or 1, 0], dtype=np.int64)
     ix = np.arange(len(k), dtype=np.int64)
-    compiled[pivots](k, ix, cutoff, stats)
+    _compiled()[pivots](k, ix, cutoff, stats)
     return ix
 
 

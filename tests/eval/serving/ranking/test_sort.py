@@ -31,15 +31,11 @@ def test_counted_sorts_agree_with_sorted(pivots, cutoff):
 
 
 @pytest.mark.parametrize("pivots", mp.PIVOTS)
-@pytest.mark.parametrize("numba", [True, False])
-def test_argsort_is_stable_argsort(pivots, numba, monkeypatch):
-    if not numba:
-        monkeypatch.setattr(mp, "_compiled", lambda: None)  # the fallback without the optional extra
+def test_argsort_is_stable_argsort(pivots):
     for shape, keys in _inputs(3000, pivots).items():
         assert np.array_equal(mp.argsort(keys, pivots), np.argsort(keys, kind="stable")), shape
 
 
-@pytest.mark.skipif(not mp.compiled_available(), reason="numba (optional) is not installed")
 def test_compiled_and_pure_paths_do_the_same_work():
     keys = np.random.default_rng(3).random(3000)
     for k in mp.PIVOTS:
@@ -91,10 +87,9 @@ def test_bad_arguments_name_the_fix():
         mp.count_costs([1.0], cutoff=0)
 
 
-def test_argsort_without_numba_is_numpy_stable_not_the_python_comparator(monkeypatch):
+def test_compiled_argsort_breaks_ties_by_position_like_the_python_comparator():
     keys = np.random.default_rng(5).integers(0, 40, 5000).astype(float)  # many ties
-    expected = {k: mp.count_costs(keys, k)[0] for k in mp.PIVOTS}  # the Python comparator path
-    monkeypatch.setattr(mp, "_compiled", lambda: None)
-    monkeypatch.setattr(mp, "_PURE", {})  # the fallback must not reach for it
     for k in mp.PIVOTS:
-        assert np.array_equal(mp.argsort(keys, k), expected[k])
+        expected = mp.count_costs(keys, k)[0]  # the Python comparator path
+        assert np.array_equal(mp.argsort(keys, k), expected)
+        assert np.array_equal(expected, np.argsort(keys, kind="stable"))
