@@ -164,7 +164,9 @@ def calibrated_cost(args, server, work: Path) -> dict:
     batches = sorted({1, max(1, seqs // 4), max(1, seqs // 2), seqs})
     prompts = sorted({64, 256, 512, min(1024, budget)} if not args.smoke else {16, 64})
     print(f"calibrating: decode batches {batches}, prompts {prompts}", file=sys.stderr, flush=True)
-    cost = calibrate_server(server.url, server.name, tuple(batches), tuple(prompts), 48, 1 if args.smoke else 3)
+    cost = calibrate_server(
+        server.url, server.name, tuple(batches), tuple(prompts), 48, 1 if args.smoke else 3
+    )
     (work / "cost.json").write_text(json.dumps(cost))
     return cost
 

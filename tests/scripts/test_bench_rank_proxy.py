@@ -129,8 +129,8 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
     arm completes its requests and the simulator runs with the given cost model.  The server's calibration is a
     timing of an idle machine (on a loaded one a batch's streams need not overlap): its rules are tested against
     a fake vLLM of known step times (tests/eval/serving/ranking/test_server_calibration.py)."""
-    from eval.serving.ranking.simulator import CostModel
     from eval.serving.ranking.labels import sharegpt_lengths, unique_pairs, write_sharegpt_json
+    from eval.serving.ranking.simulator import CostModel
     from eval.serving.ranking.train import TrainConfig, train_ranker
 
     sharegpt_lengths(smollm2, tmp_path / "lengths", records="train", limit=300)

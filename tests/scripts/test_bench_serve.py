@@ -142,7 +142,9 @@ def test_servers_exit_when_the_benchmark_is_killed(checkpoints, vllm_python, sha
     running = [g for g in started if not gone(g)]
     bench.kill()
     bench.wait()
-    assert len(started) == 2 and up == started[:1], "the first server did not come up before the second started"
+    assert len(started) == 2 and up == started[:1], (
+        "the first server did not come up before the second started"
+    )
     assert running == started  # both were running when the benchmark died
     deadline = time.monotonic() + 120
     while not all(gone(g) for g in started) and time.monotonic() < deadline:
