@@ -22,6 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
 # its subprocesses, find them: beside the embedded assets, not in a temp folder that may be cleaned
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
+# vLLM's cache beside it: every vLLM process of the suite (some 20) otherwise inspects each model class again in a
+# subprocess of its own (~10 s each), and compiles again what an earlier run compiled
+os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
 # One OpenMP thread per core in all: each of N xdist workers, and every process it starts (launches, servers, the
 # job's subprocesses, which inherit OMP_NUM_THREADS), gets cores // N threads.  Two 2-thread processes on two cores
 # spin-wait for each other's cores: a CPU-bound file ran 6-9x slower beside its twin than with one thread each

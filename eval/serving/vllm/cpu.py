@@ -25,16 +25,18 @@ MAX_RPC_BASE = 107 - 1 - 36
 
 
 def cpu_environment(tmp: str | Path) -> dict[str, str]:
-    """Environment for a vLLM CPU process: all cores, offline, caches and sockets under ``tmp`` (the sockets
-    under a short folder of the system's temp root when ``tmp``'s path is too long for a socket's)."""
+    """Environment for a vLLM CPU process: all cores, offline, sockets under ``tmp`` (under a short folder of the
+    system's temp root when ``tmp``'s path is too long for a socket's), and the caches under ``tmp`` unless the
+    environment names them (``VLLM_CACHE_ROOT`` holds vLLM's model-class inspection, some 10 s a process when
+    missing, and its compiled graphs)."""
     tmp = Path(tmp)
     sockets = tmp if len(str(tmp)) <= MAX_RPC_BASE else Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp"))
     return {
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "HF_HUB_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(tmp / "vllm-cache")),
         "VLLM_RPC_BASE_PATH": str(sockets),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor")),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
 
