@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -195,11 +196,13 @@ def run_case(case: dict) -> dict:
     """One engine start: ``{"model", "engine"={}, "steps": [step, ...], "record"=False, "opaque"=False,
     "aux_layers"=[], "scales"=False}`` -> ``{"steps": [run_step results],
     "calls": stack calls, "kv_layers", "compiled", "aux", "preemptions", "scales"}``, or ``{"error": "..."}`` if
-    the engine does not start."""
+    the engine does not start; ``start_s`` and ``wall_s``: seconds to start the engine and in all."""
+    started = time.perf_counter()
     try:
         llm = make_llm(case["model"], **case.get("engine", {}))
     except Exception as exc:  # reported to the caller, which decides whether the failure was expected
         return {"error": f"{type(exc).__name__}: {exc}"}
+    start_s = time.perf_counter() - started
     if case.get("opaque"):
         llm.apply_model(_opaque_attention)
     if case.get("record"):
@@ -216,7 +219,7 @@ def run_case(case: dict) -> dict:
         result["preemptions"] = preemptions(llm)
     del llm
     gc.collect()
-    return result
+    return {**result, "start_s": start_s, "wall_s": time.perf_counter() - started}
 
 
 def main(argv: list[str] | None = None) -> None:
