@@ -107,13 +107,13 @@ STATUS = {"ok": 0, "FAIL": 1, "incomplete": 3, "no GPU": 4}
 GATHERED_GRAPHS = "PIECEWISE gathered"
 # the minor versions the plugin is written and checked against (docs/serving.md)
 SUPPORTED_VLLM = ("0.32", "0.33")
-# What an engine inherits from the user's shell: where things are (paths, caches, sockets), which device, and the
-# settings vLLM's CPU build needs; everything else (VLLM_*, SWIFTKV_*, TORCH_*, ...) is left out, so the row's own
+# What an engine inherits from the user's shell: where things are (paths, caches, sockets), which device, how many
+# OpenMP threads, and the settings vLLM's CPU build needs; everything else (VLLM_*, SWIFTKV_*, TORCH_*, ...) is left out, so the row's own
 # ``env`` is all that differs from vLLM's defaults.
 ENGINE_ENVIRONMENT = (
     "PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "XDG_CACHE_HOME", "LD_LIBRARY_PATH", "CUDA_HOME",
     "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
-    "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH",
+    "VLLM_CACHE_ROOT", "VLLM_RPC_BASE_PATH", "OMP_NUM_THREADS",
 )  # fmt: skip
 # vLLM's CPU build: cores reserved and bound (eval.serving.vllm.cpu)
 ENGINE_ENVIRONMENT_PREFIXES = ("VLLM_CPU_",)

@@ -111,11 +111,12 @@ def test_vllm_engines_start_in_a_clean_environment():
         "PATH": "/bin", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/hf", "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_BATCH_INVARIANT": "1",
         "SWIFTKV_FAST_PREFILL": "0", "PYTHONPATH": "/elsewhere", "HF_HUB_OFFLINE": "0", "AWS_SECRET": "x",
+        "OMP_NUM_THREADS": "1",
     }  # fmt: skip
     env = check.engine_environment(shell, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
     assert env == {
         "PATH": "/bin", "HOME": "/h", "CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/hf", "VLLM_CPU_KVCACHE_SPACE": "4",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
         "VLLM_USE_V2_MODEL_RUNNER": "0",
     }  # fmt: skip
     assert "VLLM_USE_V2_MODEL_RUNNER" not in check.engine_environment(shell, {})
