@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,13 @@ _threads = max(1, min(2, len(os.sched_getaffinity(0))) // _workers)
 torch.set_num_threads(_threads)
 if _workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
+# The tests and every process they start run as in an activated venv: its bin first on PATH, as in a user's shell.
+# Otherwise a launch script that runs `accelerate` from PATH (the cluster launcher's) and every other launch reach
+# different ninja builds (the venv's 1.13, the system's 1.11) whose build logs do not read each other's, and DeepSpeed's CPU
+# communication op (deepspeed_shm_comm) was compiled again at each switch, ~70 s of CPU each (docs/results/test-lanes.md).
+_bin = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _bin:
+    os.environ["PATH"] = os.pathsep.join([_bin, *filter(None, [os.environ.get("PATH")])])
 # the checkout, as this file's place says (test_ci_rules.py runs a copy of it where no vLLM venv is beside it)
 ROOT = Path(__file__).resolve().parents[1]
 
