@@ -11,15 +11,37 @@ Runs inside the vLLM venv (``scripts/setup_vllm_cpu.sh``), with the CPU engine d
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from eval.serving.vllm.cpu import cpu_environment, make_llm
+
+
+@contextlib.contextmanager
+def fixed_folder(name: str) -> Iterator[Path]:
+    """An empty folder at the same path in every run (under the toolkit's cache), this run's alone while in use.
+
+    vLLM keys its compiled-graph cache on the checkpoint's path among the config's fields, so a compiled engine
+    over a tiny checkpoint rebuilt at a new temp path compiles again in every run (~20 s more to start); built at
+    a fixed path it loads what the last run compiled."""
+    from toolkit.artifacts import cache_dir
+
+    folder = cache_dir() / "tests" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest run waits here rather than rebuilding it under us
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        yield folder
 
 
 def run_cases(cases: list[dict], tmp: Path) -> list[dict]:

@@ -32,6 +32,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +41,7 @@ import torch
 from helpers import ROOT
 from helpers.ci import NO_FP8_KV_ON_THIS_CPU, VLLM_PYTHON, cpu_runs_fp8_kv
 from helpers.models import tiny_base
-from helpers.vllm_cases import run_cases
+from helpers.vllm_cases import fixed_folder, run_cases
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -222,16 +223,23 @@ def fp8_kv_checkpoint(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, vllm_python, smollm2):
+def compiled_dir() -> Iterator[Path]:
+    """Where the checkpoints of compiled engines are built: the same path every run (``fixed_folder``)."""
+    with fixed_folder("vllm-plugin") as folder:
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, vllm_python, smollm2, compiled_dir):
     tmp = tmp_path_factory.mktemp("vllm")
     tiny_base("llama", **TINY).save_pretrained(tmp / "base")
     g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
     tiny_base("llama", **{**TINY, "num_key_value_heads": 2}).save_pretrained(tmp / "base-2kv")
     split = swiftkv.convert.convert(tmp / "base-2kv", tmp / "split", swiftkv_fraction=0.5, group_size=3)
     tiny_base("qwen2", **TINY).save_pretrained(tmp / "qwen2-base")
-    qwen2 = swiftkv.convert.convert(tmp / "qwen2-base", tmp / "qwen2", swiftkv_fraction=0.5)
+    qwen2 = swiftkv.convert.convert(tmp / "qwen2-base", compiled_dir / "qwen2", swiftkv_fraction=0.5)
     qwen3 = swiftkv.convert.convert(
-        tiny_qwen3(tmp / "qwen3-base"), tmp / "qwen3", swiftkv_fraction=0.5, group_size=3
+        tiny_qwen3(tmp / "qwen3-base"), compiled_dir / "qwen3", swiftkv_fraction=0.5, group_size=3
     )
     teacher = edit_checkpoint(g1, tmp / "teacher", config={"swiftkv": False})
     missing = edit_checkpoint(g1, tmp / "missing", drop=MISSING)
@@ -720,14 +728,15 @@ def needs_vllm_engines(test):
 
 
 @pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory, vllm_python):
+def exact_runs(tmp_path_factory, vllm_python, compiled_dir):
     """The tiny g = 1 checkpoint with exact_kv_window 3 (compiled) and 1 (eager) over a short batch, a chunked
     prompt and a prompt that hits blocks holding its exact rows; a Qwen3 with W = 3; W = 3 under n-gram
     speculation; and what is refused."""
     tmp = tmp_path_factory.mktemp("vllm-exact")
     tiny_base("llama", **TINY).save_pretrained(tmp / "base")
     g1 = swiftkv.convert.convert(tmp / "base", tmp / "g1", swiftkv_fraction=0.5)
-    paths = {w: edit_checkpoint(g1, tmp / f"w{w}", config={"exact_kv_window": w}) for w in (3, 1)}
+    paths = {w: edit_checkpoint(g1, folder / f"w{w}", config={"exact_kv_window": w})
+             for w, folder in ((3, compiled_dir), (1, tmp))}  # fmt: skip
     qwen3 = swiftkv.convert.convert(
         tiny_qwen3(tmp / "qwen3-base"), tmp / "qwen3", swiftkv_fraction=0.5, exact_kv_window=3
     )
