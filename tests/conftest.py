@@ -110,6 +110,37 @@ def pytest_make_collect_report(collector):
     return report
 
 
+# Seconds each of the longest files held a worker in a full run (2026-12-06, docs/results/test-lanes.md): the
+# order in which they start.  A file not listed weighs 5 s per slow test, 10 s per slow vLLM test.
+FILE_SECONDS = {
+    "tests/eval/serving/vllm/test_plugin.py": 405, "tests/distill/test_train.py": 281,
+    "tests/scripts/test_bench_serve.py": 225, "tests/eval/test_job.py": 155,
+    "tests/eval/serving/vllm/test_gpu_check_vllm.py": 154, "tests/scripts/test_bench_rank_proxy.py": 106,
+    "tests/distill/test_scar_loop.py": 76, "tests/distill/test_check.py": 75, "tests/distill/test_elastic.py": 64,
+    "tests/distill/test_cluster_launch.py": 63, "tests/distill/test_multinode.py": 61,
+    "tests/distill/test_scar.py": 57, "tests/eval/serving/vllm/test_exact_schedule.py": 57,
+    "tests/eval/test_gpu_check.py": 53, "tests/eval/serving/ranking/test_proxy_vllm.py": 52,
+    "tests/distill/test_sweep.py": 51,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (a file's own order kept), and xdist keeps this order (``--no-loadscope-reorder``):
+    the two workers start on the longest files and finish on short ones, instead of one worker still running a
+    long file late in the run while the other has nothing left."""
+
+    def weight(item: pytest.Item) -> int:
+        return (
+            5 * (item.get_closest_marker("slow") is not None) * (2 if item.get_closest_marker("vllm") else 1)
+        )
+
+    cost: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        cost[path] = FILE_SECONDS.get(path, cost.get(path, 0) + weight(item))
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a file's order stays
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test that needs an asset carries its marker, so ``-m "not smollm2"`` / ``"not vllm"`` deselects it."""
     for fixture, marker in MARKED_FIXTURES.items():
