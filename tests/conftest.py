@@ -121,6 +121,7 @@ FILE_SECONDS = {
     "tests/distill/test_scar.py": 57, "tests/eval/serving/vllm/test_exact_schedule.py": 57,
     "tests/eval/test_gpu_check.py": 53, "tests/eval/serving/ranking/test_proxy_vllm.py": 52,
     "tests/distill/test_sweep.py": 51,
+    "tests/eval/serving/ranking/test_proxy_hardening.py": 26,  # its timeouts: wall time, hardly any CPU
 }  # fmt: skip
 
 

@@ -850,46 +850,129 @@ def run_in_vllm_venv(script: str, tmp: Path, env: dict | None = None) -> subproc
     )  # fmt: skip
 
 
+# Scripts that only import vLLM's modules and call them share one process (vLLM's import is ~10 s a process):
+# each runs in a namespace of its own and its stdout is kept for its test; engines and patched registrations get
+# processes of their own (above and below).
+SHARED_PROCESS: dict[str, str] = {}
+RUN_SHARED = """
+import contextlib, io, json, sys, traceback
+scripts, results = json.loads(open(sys.argv[1]).read()), {}
+for name, script in scripts.items():
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(script, name, "exec"), {"__name__": name})
+        results[name] = {"stdout": out.getvalue()}
+    except BaseException:
+        results[name] = {"stdout": out.getvalue(), "error": traceback.format_exc()}
+open(sys.argv[2], "w").write(json.dumps(results))
+"""
+
+
+def in_shared_process(name: str, script: str) -> str:
+    SHARED_PROCESS[name] = textwrap.dedent(script)
+    return name
+
+
+@pytest.fixture(scope="module")
+def shared_process(tmp_path_factory, vllm_python) -> dict[str, dict]:
+    """Every ``SHARED_PROCESS`` script run in one vLLM-venv process: name -> its stdout (and error, if it raised)."""
+    tmp = tmp_path_factory.mktemp("vllm-shared")
+    (tmp / "scripts.json").write_text(json.dumps(SHARED_PROCESS))
+    env = {**os.environ, **cpu_environment(tmp), "PYTHONPATH": str(ROOT)}
+    argv = [str(VLLM_PYTHON), "-c", RUN_SHARED, str(tmp / "scripts.json"), str(tmp / "results.json")]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "results.json").read_text())
+
+
+def shared_result(results: dict[str, dict], name: str):
+    """The JSON a shared script printed last, or the failure of the script."""
+    run = results[name]
+    assert "error" not in run, run["error"][-3000:]
+    return json.loads(run["stdout"].strip().splitlines()[-1])
+
+
+GRAPH_SIZES = in_shared_process(
+    "graph_sizes",
+    """
+    import json
+    from types import SimpleNamespace
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor, ForwardContext, get_forward_context, override_forward_context
+    from eval.serving.vllm.llama import LlamaSwiftKVModel
+
+    config = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32], max_cudagraph_capture_size=32)
+    model = SimpleNamespace(compilation_config=config)  # what the model keeps of its vllm_config
+    config.adjust_cudagraph_sizes_for_spec_decode(3)  # after the model is built, as the V1 runner does
+    modes = {}
+    for size in (9, 8):
+        context = ForwardContext({}, {}, {}, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+                                 batch_descriptor=BatchDescriptor(num_tokens=40))
+        with override_forward_context(context), LlamaSwiftKVModel._graph_batch(model, size):
+            modes[size] = [get_forward_context().cudagraph_runtime_mode.name,
+                           get_forward_context().batch_descriptor.num_tokens]
+    print(json.dumps({"sizes": config.cudagraph_capture_sizes, "modes": modes}))
+    """,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_decode_stack_keeps_graphs_for_the_sizes_vllm_captures_under_speculation(vllm_python, tmp_path):
+def test_decode_stack_keeps_graphs_for_the_sizes_vllm_captures_under_speculation(shared_process):
     """vLLM's V1 runner rewrites the CUDA-graph capture sizes to multiples of 1 + num_speculative_tokens after the
     model is built (``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``, vLLM's own code here): the decode
     stack of a step with 9 gathered rows (2 drafts) must still replay piecewise graphs, and one of a size vLLM no
     longer captures (8) must not."""
-    proc = run_in_vllm_venv(
-        """
-        import json
-        from types import SimpleNamespace
-        from vllm.config import CompilationConfig
-        from vllm.config.compilation import CUDAGraphMode
-        from vllm.forward_context import BatchDescriptor, ForwardContext, get_forward_context, override_forward_context
-        from eval.serving.vllm.llama import LlamaSwiftKVModel
-
-        config = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32], max_cudagraph_capture_size=32)
-        model = SimpleNamespace(compilation_config=config)  # what the model keeps of its vllm_config
-        config.adjust_cudagraph_sizes_for_spec_decode(3)  # after the model is built, as the V1 runner does
-        modes = {}
-        for size in (9, 8):
-            context = ForwardContext({}, {}, {}, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
-                                     batch_descriptor=BatchDescriptor(num_tokens=40))
-            with override_forward_context(context), LlamaSwiftKVModel._graph_batch(model, size):
-                modes[size] = [get_forward_context().cudagraph_runtime_mode.name,
-                               get_forward_context().batch_descriptor.num_tokens]
-        print(json.dumps({"sizes": config.cudagraph_capture_sizes, "modes": modes}))
-        """,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = shared_result(shared_process, GRAPH_SIZES)
     assert result["sizes"] == [3, 6, 9, 18, 24]
     assert result["modes"] == {"9": ["PIECEWISE", 9], "8": ["NONE", 8]}
+
+
+CONFIG_STEPS = in_shared_process(
+    "config_steps",
+    """
+    import json
+    from types import SimpleNamespace
+    from vllm.config import CompilationConfig, PassConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from eval.serving.vllm import SwiftKVConfigHook, fast_prefill_refusal
+
+    cases = {  # case: (compilation mode, splitting ops, the attention + quant fusion pass)
+        "default": (CompilationMode.VLLM_COMPILE, None, False),
+        "no splitting ops": (CompilationMode.VLLM_COMPILE, [], False),
+        "attention + quant fusion": (CompilationMode.VLLM_COMPILE, None, True),
+        "no piecewise compilation": (CompilationMode.NONE, None, False),
+    }
+    results = {}
+    for case, (mode, splitting_ops, fuse) in cases.items():
+        compilation = CompilationConfig(
+            mode=mode, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=splitting_ops,
+            pass_config=PassConfig(fuse_attn_quant=fuse),
+        )
+        hf_config = SimpleNamespace(swiftkv=True, num_key_value_layers=3, num_hidden_layers=6)
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=hf_config, runner_type="generate",
+                                         architecture="LlamaSwiftKVForCausalLM"),
+            speculative_config=None, compilation_config=compilation,
+            cache_config=SimpleNamespace(kv_sharing_fast_prefill=None),
+            parallel_config=SimpleNamespace(use_ubatching=False, decode_context_parallel_size=1),
+        )  # the parts of a VllmConfig the hook and vLLM's two steps read
+        SwiftKVConfigHook.verify_and_update_config(config)
+        hook = [compilation.cudagraph_mode.name, config.cache_config.kv_sharing_fast_prefill]
+        VllmConfig._normalize_piecewise_cudagraph_mode(config, breakable_cudagraph_enabled=False)
+        compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter", data_parallel_size=1)
+        results[case] = [*hook, compilation.cudagraph_mode.name, fast_prefill_refusal(config, "FLASH_ATTN")]
+    print(json.dumps(results))
+    """,
+)
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_fast_prefill_is_refused_where_vllms_own_config_code_makes_the_mode_full_after_the_hook(
-    vllm_python, tmp_path
+    shared_process,
 ):
     """vLLM runs the model config hooks (``try_verify_and_update_config``) before it resolves the CUDA-graph mode:
     ``_normalize_piecewise_cudagraph_mode`` and ``CompilationConfig.set_splitting_ops_for_v1``, called in this
@@ -897,45 +980,7 @@ def test_fast_prefill_is_refused_where_vllms_own_config_code_makes_the_mode_full
     sees FULL_AND_PIECEWISE and turns fast prefill on; where vLLM then makes the mode FULL (no splitting ops, or
     the attention + quant fusion) the model build refuses it, and where it keeps piecewise graphs for mixed steps
     or runs them eagerly (FULL_DECODE_ONLY) it does not."""
-    proc = run_in_vllm_venv(
-        """
-        import json
-        from types import SimpleNamespace
-        from vllm.config import CompilationConfig, PassConfig, VllmConfig
-        from vllm.config.compilation import CompilationMode, CUDAGraphMode
-        from eval.serving.vllm import SwiftKVConfigHook, fast_prefill_refusal
-
-        cases = {  # case: (compilation mode, splitting ops, the attention + quant fusion pass)
-            "default": (CompilationMode.VLLM_COMPILE, None, False),
-            "no splitting ops": (CompilationMode.VLLM_COMPILE, [], False),
-            "attention + quant fusion": (CompilationMode.VLLM_COMPILE, None, True),
-            "no piecewise compilation": (CompilationMode.NONE, None, False),
-        }
-        results = {}
-        for case, (mode, splitting_ops, fuse) in cases.items():
-            compilation = CompilationConfig(
-                mode=mode, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, splitting_ops=splitting_ops,
-                pass_config=PassConfig(fuse_attn_quant=fuse),
-            )
-            hf_config = SimpleNamespace(swiftkv=True, num_key_value_layers=3, num_hidden_layers=6)
-            config = SimpleNamespace(
-                model_config=SimpleNamespace(hf_config=hf_config, runner_type="generate",
-                                             architecture="LlamaSwiftKVForCausalLM"),
-                speculative_config=None, compilation_config=compilation,
-                cache_config=SimpleNamespace(kv_sharing_fast_prefill=None),
-                parallel_config=SimpleNamespace(use_ubatching=False, decode_context_parallel_size=1),
-            )  # the parts of a VllmConfig the hook and vLLM's two steps read
-            SwiftKVConfigHook.verify_and_update_config(config)
-            hook = [compilation.cudagraph_mode.name, config.cache_config.kv_sharing_fast_prefill]
-            VllmConfig._normalize_piecewise_cudagraph_mode(config, breakable_cudagraph_enabled=False)
-            compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter", data_parallel_size=1)
-            results[case] = [*hook, compilation.cudagraph_mode.name, fast_prefill_refusal(config, "FLASH_ATTN")]
-        print(json.dumps(results))
-        """,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = shared_result(shared_process, CONFIG_STEPS)
     resolved = {"default": "FULL_AND_PIECEWISE", "no splitting ops": "FULL", "attention + quant fusion": "FULL",
                 "no piecewise compilation": "FULL_DECODE_ONLY"}  # fmt: skip
     for case, (hook_mode, fast_prefill, mode, refusal) in results.items():
@@ -947,76 +992,78 @@ def test_fast_prefill_is_refused_where_vllms_own_config_code_makes_the_mode_full
             assert refusal is None, case
 
 
+FP8_QUERIES = in_shared_process(
+    "fp8_queries",
+    """
+    import json
+    from types import SimpleNamespace
+    import torch
+    import eval.serving.vllm.exact as exact
+
+    seen = []
+
+    def attention(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
+        seen.append(query)
+        output.copy_(query.float())
+
+    exact.unified_attention_with_output = attention  # the backend call, recorded
+    scale, query = torch.tensor(0.5), torch.randn(3, 2 * 4, dtype=torch.bfloat16)
+    quantized = (query / scale).to(torch.float8_e4m3fn)
+    results = {}
+    for case, quantizer, takes_fp8 in (("fp8 backend", True, True), ("other backend", True, False),
+                                       ("no quantizer", False, True)):
+        attn = SimpleNamespace(
+            num_heads=2, head_size=4, use_direct_call=True, layer_name="layer", _q_scale=scale,
+            query_quant=(lambda q, s: ((q / s).to(torch.float8_e4m3fn), None)) if quantizer else None,
+            impl=SimpleNamespace(supports_quant_query_input=takes_fp8),
+        )
+        out = exact.attend_after(attn, query, query.new_empty(0))
+        given = seen[-1].reshape(3, 8)
+        results[case] = [str(given.dtype), str(out.dtype), torch.equal(given.float(), quantized.float()),
+                         torch.equal(given.float(), query.float())]
+    print(json.dumps(results))
+    """,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_exact_kv_attention_takes_queries_as_vllms_attention_layer_does(vllm_python, tmp_path):
+def test_exact_kv_attention_takes_queries_as_vllms_attention_layer_does(shared_process):
     """An FP8 KV cache on a backend that takes FP8 queries (FlashAttention 3, the default on H100/H200, and Triton
     on CUDA) gives each attention layer a query quantizer, which ``Attention.forward`` applies before the backend
     reads the cache with the q scale: the exact-K/V attention call (``attend_after``, which bypasses that forward)
     quantizes the same way, with the layer's ``_q_scale``, and returns the unquantized dtype; without a quantizer,
     or on a backend that takes no FP8 queries, the query goes in as it is."""
-    proc = run_in_vllm_venv(
-        """
-        import json
-        from types import SimpleNamespace
-        import torch
-        import eval.serving.vllm.exact as exact
-
-        seen = []
-
-        def attention(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
-            seen.append(query)
-            output.copy_(query.float())
-
-        exact.unified_attention_with_output = attention  # the backend call, recorded
-        scale, query = torch.tensor(0.5), torch.randn(3, 2 * 4, dtype=torch.bfloat16)
-        quantized = (query / scale).to(torch.float8_e4m3fn)
-        results = {}
-        for case, quantizer, takes_fp8 in (("fp8 backend", True, True), ("other backend", True, False),
-                                           ("no quantizer", False, True)):
-            attn = SimpleNamespace(
-                num_heads=2, head_size=4, use_direct_call=True, layer_name="layer", _q_scale=scale,
-                query_quant=(lambda q, s: ((q / s).to(torch.float8_e4m3fn), None)) if quantizer else None,
-                impl=SimpleNamespace(supports_quant_query_input=takes_fp8),
-            )
-            out = exact.attend_after(attn, query, query.new_empty(0))
-            given = seen[-1].reshape(3, 8)
-            results[case] = [str(given.dtype), str(out.dtype), torch.equal(given.float(), quantized.float()),
-                             torch.equal(given.float(), query.float())]
-        print(json.dumps(results))
-        """,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = shared_result(shared_process, FP8_QUERIES)
     assert result["fp8 backend"] == ["torch.float8_e4m3fn", "torch.bfloat16", True, False]
     assert result["other backend"] == ["torch.bfloat16", "torch.bfloat16", False, True]
     assert result["no quantizer"] == ["torch.bfloat16", "torch.bfloat16", False, True]
 
 
+INTERNALS = in_shared_process(
+    "internals",
+    """
+    import importlib, json
+    from eval.serving.vllm.internals import USED
+    missing = []
+    for path in USED:
+        module, qualname = path.split(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        missing += [path] if obj is None else []
+    print(json.dumps(missing))
+    """,
+)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_internals_resolve_in_the_installed_vllm(vllm_python, tmp_path):
+def test_vllm_internals_resolve_in_the_installed_vllm(shared_process, tmp_path):
     """Every name in ``internals.USED`` imports from the installed vLLM, and ``swiftkv check-vllm-api`` finds
     each with the parameters or members the plugin relies on (the check docs/serving.md records for vLLM 0.33);
     the command reports a renamed function and a renamed parameter in a copy of that tree."""
-    proc = run_in_vllm_venv(
-        """
-        import importlib, json
-        from eval.serving.vllm.internals import USED
-        missing = []
-        for path in USED:
-            module, qualname = path.split(":")
-            obj = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part, None)
-            missing += [path] if obj is None else []
-        print(json.dumps(missing))
-        """,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    assert shared_result(shared_process, INTERNALS) == []
     (installed,) = VLLM_PYTHON.parents[1].glob("lib/python*/site-packages/vllm")
     check = [sys.executable, "-m", "toolkit", "check-vllm-api"]
     ok = subprocess.run([*check, str(installed)], capture_output=True, text=True, timeout=120)
