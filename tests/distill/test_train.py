@@ -232,7 +232,8 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(trainabl
         mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
         objective(ids, pos, mask)["loss"].backward()
         grads.append({n: p.grad for n, p in objective.named_parameters() if p.requires_grad})
-    assert calls == [3, 5]  # teacher, the student on each sample's scored rows, then their recompute in backward
+    # teacher, the student on each sample's scored rows, then their recompute in backward
+    assert calls == [3, 5]
     assert grads[0].keys() == grads[1].keys() and all(g is not None for g in grads[1].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)

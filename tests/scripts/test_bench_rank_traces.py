@@ -47,7 +47,12 @@ def test_replies_are_kept_as_they_finish_and_a_rerun_answers_the_rest(tmp_path):
     assert second["complete"] and second["done"] == 10 and second["generation_s"] == 100
     assert fake.calls[1] == (["p2", "p3", "p4", "p5", "p6", "p7"], 4)
     rows = {r["prompt"]: r for r in brt.done_rows(tmp_path / "traces.jsonl")}
-    assert len(rows) == 10 and rows["p7"] == {"prompt": "p7", "prompt_len": 11, "output_len": 8, "finished": False}
+    assert len(rows) == 10 and rows["p7"] == {
+        "prompt": "p7",
+        "prompt_len": 11,
+        "output_len": 8,
+        "finished": False,
+    }
     assert json.loads((tmp_path / "meta.json").read_text())["complete"]
     brt.generate(ROWS, tmp_path, META, fake.sample, time_limit=1e9, clock=fake.clock)
     assert len(fake.calls) == 2  # nothing left: no engine started
