@@ -35,13 +35,13 @@ _threads = max(1, min(2, len(os.sched_getaffinity(0))) // _workers)
 torch.set_num_threads(_threads)
 if _workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
-# The tests and every process they start run as in an activated venv: its bin first on PATH, as in a user's shell.
-# Otherwise a launch script that runs `accelerate` from PATH (the cluster launcher's) and every other launch reach
-# different ninja builds (the venv's 1.13, the system's 1.11) whose build logs do not read each other's, and DeepSpeed's CPU
-# communication op (deepspeed_shm_comm) was compiled again at each switch, ~70 s of CPU each (docs/results/test-lanes.md).
+# The tests and every process they start run as in an activated venv: its bin first on PATH.  Otherwise a launch
+# script that runs `accelerate` from PATH (the cluster launcher's) and every other launch reach different ninja
+# builds (the venv's 1.13, the system's 1.11) that do not read each other's build log, and DeepSpeed's CPU
+# communication op was compiled again at each switch, ~70 s of CPU each (docs/results/test-lanes.md).
 _bin = str(Path(sys.executable).parent)
 if os.environ.get("PATH", "").split(os.pathsep)[0] != _bin:
-    os.environ["PATH"] = os.pathsep.join([_bin, *filter(None, [os.environ.get("PATH")])])
+    os.environ["PATH"] = os.pathsep.join(filter(None, [_bin, os.environ.get("PATH")]))
 # the checkout, as this file's place says (test_ci_rules.py runs a copy of it where no vLLM venv is beside it)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,17 +129,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest files first (a file's own order kept), and xdist keeps this order (``--no-loadscope-reorder``):
     the two workers start on the longest files and finish on short ones, instead of one worker still running a
     long file late in the run while the other has nothing left."""
-
-    def weight(item: pytest.Item) -> int:
-        return (
-            5 * (item.get_closest_marker("slow") is not None) * (2 if item.get_closest_marker("vllm") else 1)
-        )
-
     cost: dict[str, int] = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
-        cost[path] = FILE_SECONDS.get(path, cost.get(path, 0) + weight(item))
-    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])  # stable: a file's order stays
+        if item.get_closest_marker("slow"):
+            cost[item.location[0]] = cost.get(item.location[0], 0) + (
+                10 if item.get_closest_marker("vllm") else 5
+            )
+    cost.update(FILE_SECONDS)
+    items.sort(key=lambda item: -cost.get(item.location[0], 0))  # stable: a file's order stays
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

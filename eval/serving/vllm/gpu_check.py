@@ -108,8 +108,8 @@ GATHERED_GRAPHS = "PIECEWISE gathered"
 # the minor versions the plugin is written and checked against (docs/serving.md)
 SUPPORTED_VLLM = ("0.32", "0.33")
 # What an engine inherits from the user's shell: where things are (paths, caches, sockets), which device, how many
-# OpenMP threads, and the settings vLLM's CPU build needs; everything else (VLLM_*, SWIFTKV_*, TORCH_*, ...) is left out, so the row's own
-# ``env`` is all that differs from vLLM's defaults.
+# OpenMP threads, and the settings vLLM's CPU build needs; everything else (VLLM_*, SWIFTKV_*, TORCH_*, ...) is
+# left out, so the row's own ``env`` is all that differs from vLLM's defaults.
 ENGINE_ENVIRONMENT = (
     "PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "XDG_CACHE_HOME", "LD_LIBRARY_PATH", "CUDA_HOME",
     "CUDA_VISIBLE_DEVICES", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",

@@ -842,10 +842,12 @@ def test_exact_kv_refusals_name_the_problem(exact_runs):
 # -- processes of their own ----------------------------------------------------------------------------------
 
 
-def run_in_vllm_venv(script: str, tmp: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_in_vllm_venv(
+    script: str, tmp: Path, env: dict | None = None, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **cpu_environment(tmp), "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
-        [str(VLLM_PYTHON), "-c", textwrap.dedent(script)], cwd=ROOT, env=full_env, capture_output=True,
+        [str(VLLM_PYTHON), "-c", textwrap.dedent(script), *args], cwd=ROOT, env=full_env, capture_output=True,
         text=True, timeout=600,
     )  # fmt: skip
 
@@ -879,9 +881,7 @@ def shared_process(tmp_path_factory, vllm_python) -> dict[str, dict]:
     """Every ``SHARED_PROCESS`` script run in one vLLM-venv process: name -> its stdout (and error, if it raised)."""
     tmp = tmp_path_factory.mktemp("vllm-shared")
     (tmp / "scripts.json").write_text(json.dumps(SHARED_PROCESS))
-    env = {**os.environ, **cpu_environment(tmp), "PYTHONPATH": str(ROOT)}
-    argv = [str(VLLM_PYTHON), "-c", RUN_SHARED, str(tmp / "scripts.json"), str(tmp / "results.json")]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_in_vllm_venv(RUN_SHARED, tmp, args=(str(tmp / "scripts.json"), str(tmp / "results.json")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp / "results.json").read_text())
 
