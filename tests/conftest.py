@@ -35,6 +35,9 @@ _threads = max(1, min(2, len(os.sched_getaffinity(0))) // _workers)
 torch.set_num_threads(_threads)
 if _workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
+    # vLLM's CPU build binds its workers' OpenMP threads to every core of the node whatever OMP_NUM_THREADS says
+    # ("auto"); "nobind" leaves them to OMP_NUM_THREADS, as every other process of the suite
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # The tests and every process they start run as in an activated venv: its bin first on PATH.  Otherwise a launch
 # script that runs `accelerate` from PATH (the cluster launcher's) and every other launch reach different ninja
 # builds (the venv's 1.13, the system's 1.11) that do not read each other's build log, and DeepSpeed's CPU
