@@ -185,9 +185,11 @@ class Server:
 
 def server_env(work: Path, extra_path: Path | None = None) -> dict[str, str]:
     """The CPU environment; this checkout first on the path (its plugin serves SwiftKV checkpoints); the
-    engine in its own process as in any deployment."""
+    engine in its own process as in any deployment, its model worker in a third one as vLLM's CPU build starts it,
+    unless the caller's ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the worker in the engine's process (as a
+    one-GPU server runs it; the tests do, ~10 s of CPU less a server)."""
     env = {**os.environ, **cpu_environment(work)}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     env["PYTHONPATH"] = _pythonpath(extra_path)
     return env
 

@@ -38,6 +38,12 @@ if _workers > 1:
     # vLLM's CPU build binds its workers' OpenMP threads to every core of the node whatever OMP_NUM_THREADS says
     # ("auto"); "nobind" leaves them to OMP_NUM_THREADS, as every other process of the suite
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# vLLM servers run their model worker inside the engine's process, as a one-GPU server does, not in a third process of
+# its own as vLLM's CPU build starts it (~10 s of CPU a server: its vLLM import); bench_serve.server_env follows this
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# DeepSpeed's CPU ops built for this venv alone: a second checkout on the machine (a fresh clone's CI run) builds them
+# with its own paths, and in a shared folder each build's command line made the other's stale (~50 CPU-s a rebuild)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # The tests and every process they start run as in an activated venv: its bin first on PATH.  Otherwise a launch
 # script that runs `accelerate` from PATH (the cluster launcher's) and every other launch reach different ninja
 # builds (the venv's 1.13, the system's 1.11) that do not read each other's build log, and DeepSpeed's CPU

@@ -28,7 +28,9 @@ def cpu_environment(tmp: str | Path) -> dict[str, str]:
     """Environment for a vLLM CPU process: all cores, offline, sockets under ``tmp`` (under a short folder of the
     system's temp root when ``tmp``'s path is too long for a socket's), and the caches under ``tmp`` unless the
     environment names them (``VLLM_CACHE_ROOT`` holds vLLM's model-class inspection, some 10 s a process when
-    missing, and its compiled graphs)."""
+    missing, and its compiled graphs).  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: an ``LLM`` runs its engine in the
+    calling process; an OpenAI server still runs its engine in a child process, with the model worker inside it
+    (as a one-GPU server does) instead of in a third process, which vLLM's CPU build starts otherwise."""
     tmp = Path(tmp)
     sockets = tmp if len(str(tmp)) <= MAX_RPC_BASE else Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir="/tmp"))
     return {

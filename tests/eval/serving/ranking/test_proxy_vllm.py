@@ -29,7 +29,6 @@ def test_proxy_in_front_of_vllm(smollm2, sharegpt, vllm_python, tmp_path):
     sharegpt_lengths(smollm2, tmp_path / "lengths", records="train", limit=300)
     ranker = train_ranker(tmp_path / "lengths", tmp_path / "ranker", TrainConfig(kind="ngram", ngram_bits=16))
     env = {**os.environ, **cpu_environment(tmp_path), "PYTHONPATH": str(ROOT)}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     held = reserve_port()  # until the end: the server binds it with SO_REUSEADDR, nothing else can meanwhile
     port = held.getsockname()[1]
     cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2), "--enforce-eager",

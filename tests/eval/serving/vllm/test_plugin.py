@@ -1199,7 +1199,6 @@ def test_openai_server_answers_through_the_plugin(smollm2, vllm_python, tmp_path
     model = swiftkv.convert.convert(tmp_path / "base", tmp_path / "skv", swiftkv_fraction=0.5)
     tokenizer.save_pretrained(model)
     env = {**os.environ, **cpu_environment(tmp_path), "PYTHONPATH": str(ROOT)}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine in a child process
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
            "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--uds", str(tmp_path / "server.sock")]  # fmt: skip
     log = (tmp_path / "server.log").open("w")
