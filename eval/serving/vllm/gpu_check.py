@@ -45,7 +45,8 @@ Run from the serving environment (vLLM and this package installed there with ``p
 imports only what the plugin needs (vLLM, torch, transformers and ``swiftkv``); ``swiftkv gpu-check`` runs it
 there.  The transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the
 transformers this package pins: vLLM often pins an older one, so point it at the environment where this package is
-installed with its dependencies (``swiftkv gpu-check`` passes its own).  ``--cpu`` runs the same rows on vLLM's CPU build
+installed with its dependencies (``swiftkv gpu-check`` passes its own); one process there serves every row's
+reference (``ReferenceProcess``).  ``--cpu`` runs the same rows on vLLM's CPU build
 (fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
 
     python -m eval.serving.vllm.gpu_check --reference-python .venv/bin/python --out gpu_check_vllm.json
@@ -56,6 +57,7 @@ installed with its dependencies (``swiftkv gpu-check`` passes its own).  ``--cpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -498,21 +500,81 @@ def reference_unusable(python: str) -> str | None:
     return probe.stdout.strip() or None
 
 
-def run_reference(
-    python: str, model_dir: Path, requests: list[tuple[list[int], list[int]]], tmp: Path, timeout_s: float
-) -> dict:
-    """``reference_logprobs`` in ``python`` (a child process: {"requests": [...]} or {"error": ...})."""
-    job, out = tmp / "reference_in.json", tmp / "reference_out.json"
-    job.write_text(json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK}))
-    out.unlink(missing_ok=True)
-    cmd = [python, "-m", MODULE, "--reference", str(job), "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout_s:.0f} s"}
-    if proc.returncode != 0 or not out.is_file():
-        return {"error": proc.stderr or f"exit {proc.returncode}"}
-    return {"requests": json.loads(out.read_text())}
+class ReferenceProcess:
+    """The transformers reference of every row in one child process of ``python`` (``--reference-worker``), started
+    by the first row that asks: a process a row paid torch's and transformers' import (and on a GPU a CUDA
+    context) each time, for a tiny model that loads in a moment.  A job is a JSON file whose path goes to the
+    child's stdin; the child answers one JSON line a job; a job past its timeout, or a child that died, ends that
+    child with the row's error, and the next row starts a fresh one."""
+
+    def __init__(self, python: str, tmp: Path):
+        self.python, self.tmp, self.jobs = python, tmp, 0
+        self.log = tmp / "reference.log"
+        self.process: subprocess.Popen | None = None
+
+    def run(self, model_dir: Path, requests: list[tuple[list[int], list[int]]], timeout_s: float) -> dict:
+        """``reference_logprobs`` of ``requests`` on ``model_dir``: {"requests": [...]} or {"error": ...}."""
+        import selectors
+
+        if self.process is None:
+            with open(self.log, "a") as log:
+                self.process = subprocess.Popen(
+                    [self.python, "-m", MODULE, "--reference-worker"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log, text=True,
+                )  # fmt: skip
+        self.jobs += 1
+        job = self.tmp / f"reference-{self.jobs}.json"
+        job.write_text(json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK}))
+        answer = ""
+        try:
+            self.process.stdin.write(f"{job}\n")
+            self.process.stdin.flush()
+            with selectors.DefaultSelector() as ready:
+                ready.register(self.process.stdout, selectors.EVENT_READ)
+                if ready.select(timeout_s):
+                    answer = self.process.stdout.readline()
+        except BrokenPipeError:  # the child is gone: its log says why
+            pass
+        if answer:
+            return json.loads(answer)
+        timed_out = self.process.poll() is None
+        self.process.kill()
+        self.close()
+        if timed_out:
+            return {"error": f"no result within {timeout_s:.0f} s"}
+        return {"error": self.log.read_text()[-1500:] or "the reference process exited"}
+
+    def close(self) -> None:
+        """End the child: its stdin closed ends its loop (a child that does not end is killed)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+        self.process = None
+
+
+def serve_references(jobs) -> None:
+    """The child of ``ReferenceProcess``: for each job path read from ``jobs``, one JSON line on stdout.  Anything
+    else that writes to stdout (a library's print) goes to stderr, so it cannot corrupt an answer; a job that
+    fails answers its error and the next one still runs."""
+    import traceback
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in jobs:
+        job = json.loads(Path(line.strip()).read_text())
+        try:
+            answer = {"requests": reference_logprobs(Path(job["model"]), job["requests"], job["chunk"])}
+        except Exception:  # this row's failure, reported as a failed process's was
+            answer = {"error": traceback.format_exc()[-1500:]}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 def reference_logprobs(
@@ -666,7 +728,12 @@ def graphs_expected(row: Row, engine: dict, cpu: bool) -> bool:
 
 
 def served_row(
-    row: Row, checkpoints: dict[str, Path], tmp: Path, cpu: bool, timeout_s: float, reference_python: str
+    row: Row,
+    checkpoints: dict[str, Path],
+    tmp: Path,
+    cpu: bool,
+    timeout_s: float,
+    reference: ReferenceProcess,
 ) -> dict:
     """Both engines of a row, the transformers reference, and the raw comparisons (``status`` ``ran`` or FAIL);
     ``graphs_expected`` says whether ``judge`` asks for graphs replayed on gathered rows."""
@@ -697,7 +764,7 @@ def served_row(
         inputs = [p for batch in workload(TINY["vocab_size"], row.long).values() for p in batch]
         t0 = time.monotonic()
         pairs = [(p, r["tokens"]) for p, r in zip(inputs, requests, strict=True)]
-        ref = run_reference(reference_python, checkpoints[row.model], pairs, tmp, timeout_s)
+        ref = reference.run(checkpoints[row.model], pairs, timeout_s)
         if "error" in ref:
             return {
                 **result,
@@ -717,9 +784,13 @@ def check(budget_s: float, cpu: bool, names: list[str] | None, reference_python:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = build_checkpoints(tmp / "models", "float32" if cpu else "bfloat16")
-        results = run_rows(
-            rows, lambda row: served_row(row, checkpoints, tmp, cpu, 900, reference_python), budget_s
-        )
+        reference = ReferenceProcess(reference_python, tmp)
+        try:
+            results = run_rows(
+                rows, lambda row: served_row(row, checkpoints, tmp, cpu, 900, reference), budget_s
+            )
+        finally:
+            reference.close()
     status, tol = verdict(results)
     if names is not None and status == "ok" and len(rows) < len(plan()):
         status = "incomplete"  # a chosen subset never says ok
@@ -779,7 +850,9 @@ def main(argv: list[str] | None = None) -> int:
         "(default: this one)",
     )
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine, in a child process
-    parser.add_argument("--reference", type=Path, help=argparse.SUPPRESS)  # internal: the reference, likewise
+    parser.add_argument(  # internal: the references, in one child process (ReferenceProcess)
+        "--reference-worker", action="store_true", help=argparse.SUPPRESS
+    )
     try:
         args = parser.parse_args(argv)
         unknown = sorted(set(args.rows or ()) - {r.name for r in plan()})
@@ -796,9 +869,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = json.loads(args.engine)
         args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))
         return 0
-    if args.reference:
-        job = json.loads(args.reference.read_text())
-        args.out.write_text(json.dumps(reference_logprobs(Path(job["model"]), job["requests"], job["chunk"])))
+    if args.reference_worker:
+        serve_references(sys.stdin)
         return 0
     try:
         import torch

@@ -318,20 +318,50 @@ def fake_engine(calls: dict[str, int]):
     return run_engine, asked
 
 
+def test_references_of_every_row_run_in_one_process_that_survives_a_failed_row(
+    tiny_llama_dir, monkeypatch, tmp_path
+):
+    """Each row's transformers reference is a job for one child process: its answers equal ``reference_logprobs``
+    run here; a job that fails answers its error and the same process serves the next; a job past its timeout
+    ends the process and the next job starts a fresh one; ``close`` ends the child."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    requests = [([1, 5, 9, 2], [7, 3]), ([4] * 10, [8])]
+    expected = check.reference_logprobs(tiny_llama_dir, requests, check.CHUNK)
+
+    def answers(result: dict) -> list[dict]:
+        assert "error" not in result, result["error"]
+        return [{k: pytest.approx(v, rel=1e-6, abs=1e-7) for k, v in r.items()} for r in result["requests"]]
+
+    reference = check.ReferenceProcess(sys.executable, tmp_path)
+    try:
+        assert answers(reference.run(tiny_llama_dir, requests, 300)) == expected
+        child = reference.process.pid
+        failed = reference.run(tmp_path / "no-such-model", requests, 300)
+        assert "no-such-model" in failed["error"] and reference.process.pid == child
+        assert answers(reference.run(tiny_llama_dir, requests[1:], 300)) == expected[1:]
+        assert reference.process.pid == child
+        assert reference.run(tiny_llama_dir, requests, 0.001) == {"error": "no result within 0 s"}
+        assert reference.process is None
+        assert answers(reference.run(tiny_llama_dir, requests, 300)) == expected
+        process = reference.process
+        assert process.pid != child
+    finally:
+        reference.close()
+    assert process.returncode == 0 and reference.process is None
+
+
 def test_vllm_compiled_swiftkv_rows_fail_without_graphs_replayed_on_gathered_rows(monkeypatch, tmp_path):
     """A SwiftKV row whose compiled fast-prefill engine never ran its decode stack on gathered rows under a captured
     piecewise graph fails (graphs on gathered rows are the speed SwiftKV is served for); the control (vLLM's own
     Llama, no decode stack) and a CPU run (no graphs at all) are not asked for them."""
     rows = {r.name: r for r in check.plan()}
     n = sum(map(len, check.workload(check.TINY["vocab_size"]).values()))
-    monkeypatch.setattr(
-        check, "run_reference", lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * n}
-    )
+    reference = SimpleNamespace(run=lambda *a: {"requests": [{"logprobs": [-0.1], "gaps": [0.0]}] * n})
 
     def served(name: str, calls: dict[str, int], cpu: bool = False) -> tuple[dict, list[dict]]:
         run_engine, asked = fake_engine(calls)
         monkeypatch.setattr(check, "run_engine", run_engine)
-        return check.served_row(rows[name], {rows[name].model: tmp_path}, tmp_path, cpu, 60, "python"), asked
+        return check.served_row(rows[name], {rows[name].model: tmp_path}, tmp_path, cpu, 60, reference), asked
 
     control, _ = served("control", {})
     no_graphs, asked = served("swiftkv50", {"NONE gathered": 40, "PIECEWISE": 3})
