@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from toolkit.cliargs import (
+    EVAL_DEVICES,
+    EVAL_DTYPES,
     ArgumentParser,
     add_checkpoint,
     add_limit,
@@ -36,15 +38,13 @@ EPILOG = """examples:
 
 def add_placement(parser: ArgumentParser, batch_size: int | None = 4) -> None:
     """``--device``, ``--dtype`` (and ``--batch-size``) of the evaluation commands (``eval.quality``)."""
-    from .quality import DEVICES, DTYPES
-
     parser.add_argument(
         "--device",
-        choices=DEVICES,
+        choices=EVAL_DEVICES,
         default="cpu",
         help="cpu, cuda (one GPU) or auto (device_map=auto over all visible GPUs) (default: cpu)",
     )
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
+    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="float32", help="default: float32")
     if batch_size is not None:
         parser.add_argument(
             "--batch-size",

@@ -43,13 +43,10 @@ from distill.data import pack, render_conversation
 from distill.objective import agreement_metrics, metrics_from_sums
 from distill.served import conversation_samples, metrics, served_sums, shares_teacher
 from toolkit.assets import iter_conversations
-from toolkit.cliargs import UsageError
+from toolkit.cliargs import EVAL_DEVICES, EVAL_DTYPES, UsageError
 
 from .speed import input_device
 from .tasks import held_out_pairs
-
-DEVICES = ("cpu", "cuda", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def held_out_rows(tokenizer, n_conversations: int = 32, seq_len: int = 512, data: str | Path = "sharegpt"):
@@ -75,10 +72,10 @@ def held_out_rows(tokenizer, n_conversations: int = 32, seq_len: int = 512, data
 
 def check_placement(device: str, dtype: str) -> None:
     """Refuse a device or dtype evaluation cannot use here, before anything is loaded."""
-    if device not in DEVICES or dtype not in DTYPES:
+    if device not in EVAL_DEVICES or dtype not in EVAL_DTYPES:
         raise UsageError(
-            f"device {device!r} / dtype {dtype!r} (to resolve, choose a device of {', '.join(DEVICES)} "
-            f"and a dtype of {', '.join(DTYPES)})"
+            f"device {device!r} / dtype {dtype!r} (to resolve, choose a device of {', '.join(EVAL_DEVICES)} "
+            f"and a dtype of {', '.join(EVAL_DTYPES)})"
         )
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda, but no CUDA device is visible (to resolve, pass --device cpu)")

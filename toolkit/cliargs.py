@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# where and in what an evaluation runs (eval.quality): here so that a command's --help needs no torch
+EVAL_DEVICES = ("cpu", "cuda", "auto")  # this process's CPU, one GPU, device_map="auto" over the visible GPUs
+EVAL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UsageError(ValueError):
