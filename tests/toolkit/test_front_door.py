@@ -70,14 +70,16 @@ def test_python_m_distill_reaches_the_same_commands(monkeypatch, capsys):
 
 
 def test_the_front_door_starts_without_torch():
-    """``import toolkit.cli`` and ``swiftkv --help`` in a fresh interpreter leave torch unimported."""
+    """``import toolkit.cli``, ``swiftkv --help`` and the evaluation commands' ``--help`` in a fresh interpreter
+    leave torch unimported."""
     code = (
         "import sys, contextlib, io\n"
         "import toolkit.cli\n"
         "assert 'torch' not in sys.modules, 'import toolkit.cli loaded torch'\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    assert toolkit.cli.main(['--help']) == 0\n"
-        "assert 'torch' not in sys.modules, 'swiftkv --help loaded torch'\n"
+        "for argv in (['--help'], ['run', '--help'], ['quality', '--help'], ['harness', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert toolkit.cli.main(argv) == 0\n"
+        "    assert 'torch' not in sys.modules, f'swiftkv {\" \".join(argv)} loaded torch'\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
