@@ -503,13 +503,12 @@ def reference_unusable(python: str) -> str | None:
 class ReferenceProcess:
     """The transformers reference of every row in one child process of ``python`` (``--reference-worker``), started
     by the first row that asks: a process a row paid torch's and transformers' import (and on a GPU a CUDA
-    context) each time, for a tiny model that loads in a moment.  A job is a JSON file whose path goes to the
-    child's stdin; the child answers one JSON line a job; a job past its timeout, or a child that died, ends that
-    child with the row's error, and the next row starts a fresh one."""
+    context) each time, for a tiny model that loads in a moment.  A job is one JSON line on the child's stdin, its
+    answer one JSON line on the child's stdout; a job past its timeout, or a child that died, ends that child with
+    the row's error, and the next row starts a fresh one (its stderr goes to ``tmp/reference.log``)."""
 
     def __init__(self, python: str, tmp: Path):
-        self.python, self.tmp, self.jobs = python, tmp, 0
-        self.log = tmp / "reference.log"
+        self.python, self.log = python, tmp / "reference.log"
         self.process: subprocess.Popen | None = None
 
     def run(self, model_dir: Path, requests: list[tuple[list[int], list[int]]], timeout_s: float) -> dict:
@@ -522,12 +521,10 @@ class ReferenceProcess:
                     [self.python, "-m", MODULE, "--reference-worker"], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=log, text=True,
                 )  # fmt: skip
-        self.jobs += 1
-        job = self.tmp / f"reference-{self.jobs}.json"
-        job.write_text(json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK}))
+        job = json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK})
         answer = ""
         try:
-            self.process.stdin.write(f"{job}\n")
+            self.process.stdin.write(job + "\n")
             self.process.stdin.flush()
             with selectors.DefaultSelector() as ready:
                 ready.register(self.process.stdout, selectors.EVENT_READ)
@@ -560,7 +557,7 @@ class ReferenceProcess:
 
 
 def serve_references(jobs) -> None:
-    """The child of ``ReferenceProcess``: for each job path read from ``jobs``, one JSON line on stdout.  Anything
+    """The child of ``ReferenceProcess``: for each JSON job line read from ``jobs``, one JSON line on stdout.  Anything
     else that writes to stdout (a library's print) goes to stderr, so it cannot corrupt an answer; a job that
     fails answers its error and the next one still runs."""
     import traceback
@@ -568,7 +565,7 @@ def serve_references(jobs) -> None:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     for line in jobs:
-        job = json.loads(Path(line.strip()).read_text())
+        job = json.loads(line)
         try:
             answer = {"requests": reference_logprobs(Path(job["model"]), job["requests"], job["chunk"])}
         except Exception:  # this row's failure, reported as a failed process's was
