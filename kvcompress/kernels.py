@@ -14,9 +14,11 @@ cache it replaces.  These kernels read each packed byte once and never unpack it
   ``p_n scale_n`` to a histogram bin per byte (``hist[j, byte]``), the zero points to one sum per group,
   and the bins are expanded into coefficients once per step.
 - Channel scales (one scale and zero per rank position for a group of tokens, ``quant.quantize`` with
-  ``token_group``): ``q · ĉ = (q ⊙ scale_g) · codes + q · zero_g``, so per group the query is scaled once
-  and every token is unpacked in registers and dotted with it; values accumulate ``Σ p codes`` and ``Σ p``
-  per group and apply the group's scale and zero once.  (Byte tables would be rebuilt per group: no gain.)
+  ``token_group``): ``q · ĉ = (q ⊙ scale_g) · codes + q · zero_g``, so per group the query is scaled once;
+  values accumulate ``Σ p codes`` and ``Σ p`` per group and apply the group's scale and zero once.  A group's
+  codes are unpacked once into a rank-major block (``group_codes``), so both the unpacking and the products
+  run along tokens over contiguous memory: ~2x faster than unpacking and dotting token by token, whose few
+  bytes a token leave the vector units idle.  (Byte tables would be rebuilt per group: no gain.)
 - Scales and zero points stay fp16 in memory (numba has no float16): the kernels read their bits as
   uint16 through a 65536-entry float32 table (``HALF``), so no per-step conversion of whole tiers.
 
@@ -142,59 +144,76 @@ def _compiled(bits: int) -> tuple:
                         zsum[i, g] = 0.0
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
+    def group_codes(packed, b, h, t0, nt, pb, ct):  # pragma: no cover - compiled
+        """Codes of tokens ``t0..t0+nt`` of head ``(b, h)`` into ``ct[c, :nt]`` (float32), one row a rank position.
+
+        Bytes are first transposed to ``pb[j, :nt]``, so the shifts and masks run along tokens over contiguous
+        memory (vectorized) instead of code by code within one token's few bytes."""
+        for tt in range(nt):
+            row = packed[b, h, t0 + tt]
+            for j in range(row.shape[0]):
+                pb[j, tt] = row[j]
+        for j in range(pb.shape[0]):
+            src = pb[j]
+            for k in range(per):
+                dst = ct[j * per + k]
+                for tt in range(nt):
+                    dst[tt] = (src[tt] >> (k * bits)) & low
+
+    @numba.njit(cache=True, fastmath=True, nogil=True)
+    def group_buffers(packed, starts):  # pragma: no cover - compiled
+        """Scratch for ``group_codes`` sized for the longest group, rank rows padded with zeros to a multiple of 4."""
+        n, nbytes, longest = packed.shape[2], packed.shape[3], 0
+        for g in range(starts.shape[0]):
+            stop = starts[g + 1] if g + 1 < starts.shape[0] else n
+            longest = max(longest, stop - starts[g])
+        rows = -(-nbytes * per // 4) * 4
+        return np.empty((nbytes, longest), np.uint8), np.zeros((rows, longest), np.float32)
+
+    @numba.njit(cache=True, fastmath=True, nogil=True)
     def channel_scores(packed, scale, zero, starts, q, half, out, offset):  # pragma: no cover - compiled
-        n, nbytes, rows, groups = packed.shape[2], packed.shape[3], q.shape[2], scale.shape[2]
-        rank = nbytes * per
-        qs, zq, codes = (
-            np.empty((rows, rank), np.float32),
-            np.empty(rows, np.float32),
-            np.empty(rank, np.float32),
-        )
+        n, rank, rows, groups = packed.shape[2], packed.shape[3] * per, q.shape[2], scale.shape[2]
+        pb, ct = group_buffers(packed, starts)
+        qs = np.zeros(ct.shape[0], np.float32)  # padding rank positions stay 0
         for b in range(packed.shape[0]):
             for h in range(packed.shape[1]):
                 qh, oh = q[b, h], out[b, h]
                 for g in range(groups):
+                    t0 = starts[g]
+                    nt = (starts[g + 1] if g + 1 < groups else n) - t0
+                    group_codes(packed, b, h, t0, nt, pb, ct)
                     for i in range(rows):
+                        o = oh[i, offset + t0 : offset + t0 + nt]
                         z = np.float32(0.0)
                         for c in range(rank):
-                            qs[i, c] = qh[i, c] * half[scale[b, h, g, c]]
+                            qs[c] = qh[i, c] * half[scale[b, h, g, c]]
                             z += qh[i, c] * half[zero[b, h, g, c]]
-                        zq[i] = z
-                    stop = starts[g + 1] if g + 1 < groups else n
-                    for t in range(starts[g], stop):
-                        unpack(packed[b, h, t], 0, nbytes, codes)
-                        for i in range(rows):
-                            dot = np.float32(0.0)
-                            for c in range(rank):
-                                dot += codes[c] * qs[i, c]
-                            oh[i, offset + t] = dot + zq[i]
+                        o[:] = z
+                        for c in range(0, ct.shape[0], 4):  # four rank positions a pass over the scores
+                            s0, s1, s2, s3 = qs[c], qs[c + 1], qs[c + 2], qs[c + 3]
+                            c0, c1, c2, c3 = ct[c], ct[c + 1], ct[c + 2], ct[c + 3]
+                            for tt in range(nt):
+                                o[tt] += s0 * c0[tt] + s1 * c1[tt] + s2 * c2[tt] + s3 * c3[tt]
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
     def channel_values(packed, scale, zero, starts, p, half, out, offset):  # pragma: no cover - compiled
-        n, nbytes, rows, groups = packed.shape[2], packed.shape[3], p.shape[2], scale.shape[2]
-        rank = nbytes * per
-        acc, psum, codes = (
-            np.empty((rows, rank), np.float32),
-            np.empty(rows, np.float32),
-            np.empty(rank, np.float32),
-        )
+        n, rank, rows, groups = packed.shape[2], packed.shape[3] * per, p.shape[2], scale.shape[2]
+        pb, ct = group_buffers(packed, starts)
         for b in range(packed.shape[0]):
             for h in range(packed.shape[1]):
                 ph, oh = p[b, h], out[b, h]
                 for g in range(groups):
-                    acc[:] = 0.0
-                    psum[:] = 0.0
-                    stop = starts[g + 1] if g + 1 < groups else n
-                    for t in range(starts[g], stop):
-                        unpack(packed[b, h, t], 0, nbytes, codes)
-                        for i in range(rows):
-                            w = ph[i, offset + t]
-                            psum[i] += w
-                            for c in range(rank):
-                                acc[i, c] += w * codes[c]
+                    t0 = starts[g]
+                    nt = (starts[g + 1] if g + 1 < groups else n) - t0
+                    group_codes(packed, b, h, t0, nt, pb, ct)
                     for i in range(rows):
+                        w = ph[i, offset + t0 : offset + t0 + nt]
+                        psum = w.sum()
                         for c in range(rank):
-                            oh[i, c] += half[scale[b, h, g, c]] * acc[i, c] + half[zero[b, h, g, c]] * psum[i]
+                            codes, d = ct[c], np.float32(0.0)
+                            for tt in range(nt):
+                                d += w[tt] * codes[tt]
+                            oh[i, c] += half[scale[b, h, g, c]] * d + half[zero[b, h, g, c]] * psum
 
     return scores, values, channel_scores, channel_values
 

@@ -41,15 +41,16 @@ def test_channel_scales_error_is_at_most_half_a_step_of_each_group_and_channel(b
     assert err[..., -1].max() < 0.01 * err[..., 0].max()
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_channel_scale_kernels_equal_dequantize_then_matmul(bits):
+@pytest.mark.parametrize("bits,rank", [(2, 16), (4, 18), (8, 17)])
+def test_channel_scale_kernels_equal_dequantize_then_matmul(bits, rank):
     """Scores and value sums of the fused kernels over channel-scaled tiers (groups from two appends, the
-    tier a prefix view of spare capacity) equal dequantize + matmul, other columns untouched."""
+    tier a prefix view of spare capacity; ranks that are not a multiple of the kernels' four rank positions a
+    pass) equal dequantize + matmul, other columns untouched."""
     from kvcompress import kernels
 
     pytest.importorskip("numba")
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 77, 16) * torch.linspace(4, 0.1, 16)
+    x = torch.randn(2, 3, 77, rank) * torch.linspace(4, 0.1, rank)
     tier = append(
         quantize(x[..., :70, :], bits, token_group=32), quantize(x[..., 70:, :], bits, token_group=32), 8
     )
@@ -59,13 +60,13 @@ def test_channel_scale_kernels_equal_dequantize_then_matmul(bits):
     scores = torch.full((2, 3, 5, 81), 7.0)
     kernels.tier_scores(q, tier, scores, 3)
     torch.testing.assert_close(
-        scores[..., 3:80], q[..., :16] @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
+        scores[..., 3:80], q[..., :rank] @ coeffs.transpose(-1, -2), atol=1e-4, rtol=1e-4
     )
     assert bool((scores[..., :3] == 7).all() and (scores[..., 80:] == 7).all())
     values = torch.ones(2, 3, 5, 24)
     kernels.tier_values(p, tier, values, 3)
-    torch.testing.assert_close(values[..., :16], 1 + p[..., 3:] @ coeffs, atol=1e-5, rtol=1e-4)
-    assert bool((values[..., 16:] == 1).all())
+    torch.testing.assert_close(values[..., :rank], 1 + p[..., 3:] @ coeffs, atol=1e-5, rtol=1e-4)
+    assert bool((values[..., rank:] == 1).all())
 
 
 def _view_bytes(q: QTensor) -> int:
