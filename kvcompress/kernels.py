@@ -37,6 +37,7 @@ import functools
 import numba
 import numpy as np
 import torch
+from numba.extending import register_jitable
 
 from . import quant
 
@@ -52,7 +53,7 @@ def _compiled(bits: int) -> tuple:
     shifts and trip counts and vectorize (a runtime bit width measured ~10x slower for 8-bit codes)."""
     per, low = 8 // bits, (1 << bits) - 1
 
-    @numba.njit(cache=True, fastmath=True, nogil=True)
+    @register_jitable  # plain function in the closure: the kernels stay cacheable
     def unpack(packed, lo, hi, codes):  # pragma: no cover - compiled
         """Bytes ``lo..hi`` of one token into ``codes[0:]`` (float32), ``per`` codes a byte, lowest bits first."""
         for j in range(hi - lo):
@@ -60,7 +61,7 @@ def _compiled(bits: int) -> tuple:
             for k in range(per):
                 codes[j * per + k] = (byte >> (k * bits)) & low
 
-    @numba.njit(cache=True, fastmath=True, nogil=True)
+    @register_jitable  # plain function in the closure: the kernels stay cacheable
     def byte_tables(q, nbytes, table):  # pragma: no cover - compiled
         """``table[i, j, v]``: byte value ``v`` at byte position ``j`` decoded and dotted with row ``i`` of ``q``."""
         for i in range(q.shape[0]):
@@ -70,6 +71,33 @@ def _compiled(bits: int) -> tuple:
                     for k in range(per):
                         s += np.float32((v >> (k * bits)) & low) * q[i, j * per + k]
                     table[i, j, v] = s
+
+    @register_jitable  # plain function in the closure: the kernels stay cacheable
+    def group_codes(packed, b, h, t0, nt, pb, ct):  # pragma: no cover - compiled
+        """Codes of tokens ``t0..t0+nt`` of head ``(b, h)`` into ``ct[c, :nt]`` (float32), one row a rank position.
+
+        Bytes are first transposed to ``pb[j, :nt]``, so the shifts and masks run along tokens over contiguous
+        memory (vectorized) instead of code by code within one token's few bytes."""
+        for tt in range(nt):
+            row = packed[b, h, t0 + tt]
+            for j in range(row.shape[0]):
+                pb[j, tt] = row[j]
+        for j in range(pb.shape[0]):
+            src = pb[j]
+            for k in range(per):
+                dst = ct[j * per + k]
+                for tt in range(nt):
+                    dst[tt] = (src[tt] >> (k * bits)) & low
+
+    @register_jitable  # plain function in the closure: the kernels stay cacheable
+    def group_buffers(packed, starts):  # pragma: no cover - compiled
+        """Scratch for ``group_codes`` sized for the longest group, rank rows padded with zeros to a multiple of 4."""
+        n, nbytes, longest = packed.shape[2], packed.shape[3], 0
+        for g in range(starts.shape[0]):
+            stop = starts[g + 1] if g + 1 < starts.shape[0] else n
+            longest = max(longest, stop - starts[g])
+        rows = -(-nbytes * per // 4) * 4
+        return np.empty((nbytes, longest), np.uint8), np.zeros((rows, longest), np.float32)
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
     def scores(packed, scale, zero, q, tables, half, out, offset):  # pragma: no cover - compiled
@@ -142,33 +170,6 @@ def _compiled(bits: int) -> tuple:
                     for g in range(groups):
                         oh[i, g * size : (g + 1) * size] += zsum[i, g]
                         zsum[i, g] = 0.0
-
-    @numba.njit(cache=True, fastmath=True, nogil=True)
-    def group_codes(packed, b, h, t0, nt, pb, ct):  # pragma: no cover - compiled
-        """Codes of tokens ``t0..t0+nt`` of head ``(b, h)`` into ``ct[c, :nt]`` (float32), one row a rank position.
-
-        Bytes are first transposed to ``pb[j, :nt]``, so the shifts and masks run along tokens over contiguous
-        memory (vectorized) instead of code by code within one token's few bytes."""
-        for tt in range(nt):
-            row = packed[b, h, t0 + tt]
-            for j in range(row.shape[0]):
-                pb[j, tt] = row[j]
-        for j in range(pb.shape[0]):
-            src = pb[j]
-            for k in range(per):
-                dst = ct[j * per + k]
-                for tt in range(nt):
-                    dst[tt] = (src[tt] >> (k * bits)) & low
-
-    @numba.njit(cache=True, fastmath=True, nogil=True)
-    def group_buffers(packed, starts):  # pragma: no cover - compiled
-        """Scratch for ``group_codes`` sized for the longest group, rank rows padded with zeros to a multiple of 4."""
-        n, nbytes, longest = packed.shape[2], packed.shape[3], 0
-        for g in range(starts.shape[0]):
-            stop = starts[g + 1] if g + 1 < starts.shape[0] else n
-            longest = max(longest, stop - starts[g])
-        rows = -(-nbytes * per // 4) * 4
-        return np.empty((nbytes, longest), np.uint8), np.zeros((rows, longest), np.float32)
 
     @numba.njit(cache=True, fastmath=True, nogil=True)
     def channel_scores(packed, scale, zero, starts, q, half, out, offset):  # pragma: no cover - compiled
