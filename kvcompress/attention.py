@@ -34,14 +34,33 @@ from .cache import ATTN_IMPLEMENTATION, TaleLayer, observed_rows
 from .scores import QUERY_CHUNK, column_probs
 
 
-def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor:
-    """Boolean ``(b, 1, q, kv_len)`` mask, True = attend (accepts bool, additive float, or None = causal)."""
+def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor | None:
+    """Boolean ``(b, 1, q, kv_len)`` mask, True = attend (accepts bool, additive float, or None = causal);
+    None when every query row sees every key (an unpadded decode step), which spares the mask work.
+
+    transformers builds one mask a forward pass and hands it to every layer, so whether it hides anything is
+    decided once a pass and kept on the tensor (with its version, so an in-place edit is seen)."""
     if mask is None:
+        if q == 1:
+            return None
         rows = torch.arange(kv_len - q, kv_len, device=device)[:, None]
         return (torch.arange(kv_len, device=device)[None, :] <= rows).expand(b, 1, q, kv_len)
+    seen = getattr(mask, "tale_all_visible", None)
+    if seen is not None and seen[0] == (mask._version, kv_len):
+        visible = seen[1]
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        visible = bool(allowed[..., -kv_len:].all())
+        mask.tale_all_visible = ((mask._version, kv_len), visible)
+    if visible:
+        return None
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
     return mask[..., -kv_len:].expand(b, 1, q, kv_len)
+
+
+def _rows(allowed: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if allowed is None else allowed[:, :, rows]
 
 
 def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -59,7 +78,7 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
                 query[:, :, :start],
                 layer.exact_k,
                 layer.exact_v,
-                attn_mask=allowed[:, :, :start],
+                attn_mask=_rows(allowed, slice(None, start)),
                 scale=scaling,
                 enable_gqa=True,
             )
@@ -67,23 +86,29 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
     record = not layer.record_past  # a recorded pass observes its significance when it is settled (crop)
     outs += [
         _attend_chunk(
-            layer, query[:, :, i : i + QUERY_CHUNK], allowed[:, :, i : i + QUERY_CHUNK], scaling, g, record
+            layer,
+            query[:, :, i : i + QUERY_CHUNK],
+            _rows(allowed, slice(i, i + QUERY_CHUNK)),
+            scaling,
+            g,
+            record,
         )
         for i in range(start, stop, QUERY_CHUNK)
     ]
     if layer.record_past:
         layer.hold_pass(query, allowed, scaling, prefill)
     layer.finish_read()
-    return torch.cat(outs, dim=-2).to(query.dtype).transpose(1, 2).contiguous()
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def _attend_chunk(
-    layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int, record: bool
+    layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | None, scaling: float, g: int, record: bool
 ) -> torch.Tensor:
     b, hq, q, _ = query.shape
     h = hq // g
     probs, tiers, exact_allowed, visible = column_probs(layer, query, allowed, scaling, g)
-    exact_probs = probs[..., : exact_allowed.shape[-1]]
+    exact_probs = probs[..., : layer.exact_k.shape[-2]]
     if record:
         layer.record_significance(exact_probs, exact_allowed, visible, g)
 

@@ -174,13 +174,18 @@ class TaleLayer(CacheLayerMixin):
         return quant.unpack(self.tier_ids, bits)
 
     def record_significance(
-        self, probs: torch.Tensor, allowed: torch.Tensor, visible: torch.Tensor, groups: int
+        self, probs: torch.Tensor, allowed: torch.Tensor | None, visible: torch.Tensor | int, groups: int
     ) -> None:
         """Add the attention exact tokens received.
 
         ``probs`` ``(b, h, g*q, n_exact)``; ``allowed`` the exact columns of the mask ``(b, 1, g*q, n_exact)``;
-        ``visible`` ``(b, 1, g*q, 1)`` how many keys (of all kinds) each query could see.
+        ``visible`` ``(b, 1, g*q, 1)`` how many keys (of all kinds) each query could see.  ``allowed=None``:
+        every query saw every key, ``visible`` of them (a number).
         """
+        if allowed is None:
+            self.acc.add_(probs.sum(-2), alpha=visible / groups)
+            self.cnt += probs.shape[-2] / groups
+            return
         self.acc += (probs * visible).sum(-2) / groups
         self.cnt += allowed.sum(-2).squeeze(1).float() / groups
 
@@ -191,7 +196,9 @@ class TaleLayer(CacheLayerMixin):
         if self.unread == 0 and self.pending is None:
             self.compress_overflow()
 
-    def hold_pass(self, query: torch.Tensor, allowed: torch.Tensor, scaling: float, prefill: bool) -> None:
+    def hold_pass(
+        self, query: torch.Tensor, allowed: torch.Tensor | None, scaling: float, prefill: bool
+    ) -> None:
         """Keep one reader's queries of the current pass so ``crop`` can observe significance from the kept rows.
 
         A prefill observes only its last ``OBSERVED_QUERIES`` rows, so only the rows that can still be among them
@@ -199,9 +206,8 @@ class TaleLayer(CacheLayerMixin):
         """
         q = query.shape[-2]
         first = max(0, q - OBSERVED_QUERIES - MAX_UNDO_PREFILL) if prefill else 0
-        held = HeldPass(
-            query[..., first:, :].clone(), allowed[..., first:, :].clone(), scaling, first, prefill
-        )
+        kept = None if allowed is None else allowed[..., first:, :].clone()
+        held = HeldPass(query[..., first:, :].clone(), kept, scaling, first, prefill)
         self.pending = (self.pending or []) + [held]
 
     # --- rollback (speculative decoding) ------------------------------------------------------------------
@@ -266,7 +272,8 @@ class TaleLayer(CacheLayerMixin):
         for held in held_passes:
             start, stop = observed_rows(self.pass_tokens, held.prefill)
             rows = slice(start - held.first, stop - held.first)
-            observe(self, held.query[..., rows, :], held.allowed[..., rows, : self.length], held.scaling)
+            allowed = None if held.allowed is None else held.allowed[..., rows, : self.length]
+            observe(self, held.query[..., rows, :], allowed, held.scaling)
         self.compress_overflow()
 
     def compress_overflow(self) -> None:
@@ -371,7 +378,7 @@ class HeldPass:
     """One reader's queries of a pass that ``crop`` may still cut: rows ``first..`` of the pass and their mask."""
 
     query: torch.Tensor
-    allowed: torch.Tensor
+    allowed: torch.Tensor | None  # None: every key visible
     scaling: float
     first: int
     prefill: bool

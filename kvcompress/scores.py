@@ -20,43 +20,49 @@ if TYPE_CHECKING:
 QUERY_CHUNK = 512  # query rows per chunk: a long prefill never materializes the full q x n score matrix
 
 
-def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float) -> None:
-    """Record the significance ``query`` rows (``allowed``: their ``(b, 1, q, length)`` mask) give ``layer``'s exact tokens."""
+def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | None, scaling: float) -> None:
+    """Record the significance ``query`` rows (``allowed``: their ``(b, 1, q, length)`` mask, None = every key
+    visible) give ``layer``'s exact tokens."""
     g = query.shape[1] // layer.exact_k.shape[1]
+    n_exact = layer.exact_k.shape[-2]
     for i in range(0, query.shape[-2], QUERY_CHUNK):
         rows = slice(i, i + QUERY_CHUNK)
-        probs, _, exact_allowed, visible = column_probs(
-            layer, query[:, :, rows], allowed[:, :, rows], scaling, g
-        )
-        layer.record_significance(probs[..., : exact_allowed.shape[-1]], exact_allowed, visible, g)
+        chunk = None if allowed is None else allowed[:, :, rows]
+        probs, _, exact_allowed, visible = column_probs(layer, query[:, :, rows], chunk, scaling, g)
+        layer.record_significance(probs[..., :n_exact], exact_allowed, visible, g)
 
 
-def column_probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, scaling: float, g: int):
+def column_probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | None, scaling: float, g: int):
     """Attention probabilities of a chunk of queries over ``[exact | tier 0 | tier 1 | ...]`` columns.
 
     One float32 buffer holds every column, so the tier kernels write their scores in place and one softmax
     runs over it (no per-tier temporaries, no concatenation).  Returns ``(probs, tiers, exact_allowed,
     visible)``: ``probs`` ``(b, h, g*q, n_exact + n_compressed)`` with the query heads of a KV head folded
-    into rows, ``tiers`` the stored tiers with the offset of their columns.
+    into rows, ``tiers`` the stored tiers with the offset of their columns, ``exact_allowed`` the exact
+    columns of the mask and ``visible`` the keys each row sees.  ``allowed=None`` (every row sees every key,
+    an unpadded decode step) skips all mask work: ``exact_allowed`` is then None and ``visible`` a number.
     """
     b, hq, q, d = query.shape
     h = hq // g
     qf = query.float().reshape(b, h, g * q, d) * scaling  # query heads of one KV head folded into rows
-    allowed = allowed.unsqueeze(2).expand(b, 1, g, q, allowed.shape[-1]).reshape(b, 1, g * q, -1)
-    visible = allowed.sum(-1, keepdim=True).clamp_min(1)
-    exact_allowed = layer.exact_columns(allowed)
-    n_exact = exact_allowed.shape[-1]
+    n_exact = layer.exact_k.shape[-2]
     scores = qf.new_empty(b, h, g * q, n_exact + layer.n_compressed)
-    scores[..., :n_exact] = (qf @ layer.exact_k.float().transpose(-1, -2)).masked_fill(
-        ~exact_allowed, float("-inf")
-    )
+    exact_scores = qf @ layer.exact_k.float().transpose(-1, -2)
+    if allowed is None:
+        visible, exact_allowed = layer.length, None
+        scores[..., :n_exact] = exact_scores
+    else:
+        allowed = allowed.unsqueeze(2).expand(b, 1, g, q, allowed.shape[-1]).reshape(b, 1, g * q, -1)
+        visible = allowed.sum(-1, keepdim=True).clamp_min(1)
+        exact_allowed = layer.exact_columns(allowed)
+        scores[..., :n_exact] = exact_scores.masked_fill(~exact_allowed, float("-inf"))
 
     tiers, offset = [], n_exact
     stored = [t for t in range(len(layer.policy.tiers)) if layer.tier_k[t] is not None]
     if stored:
         s, c = layer.n_sinks, layer.n_compressed
-        comp_allowed = allowed[..., s : s + c]
-        needs_mask = not bool(comp_allowed.all())
+        comp_allowed = None if allowed is None else allowed[..., s : s + c]
+        needs_mask = comp_allowed is not None and not bool(comp_allowed.all())
         q_basis = qf @ layer.key_map  # (b, h, g*q, d): queries in the key basis
         for t in stored:
             n = len(layer.tier_k[t])
@@ -68,5 +74,7 @@ def column_probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor, s
             tiers.append((t, offset))
             offset += n
 
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked (padding) rows -> 0
+    probs = torch.softmax(scores, dim=-1)
+    if allowed is not None:
+        probs.nan_to_num_(0.0)  # fully masked (padding) rows -> 0
     return probs, tiers, exact_allowed, visible

@@ -77,6 +77,31 @@ def test_left_padded_batch_matches_dynamic_cache(model_and_factors):
 
 
 @torch.no_grad()
+def test_unpadded_decode_skips_the_mask_and_keeps_the_masked_paths_state(model_and_factors):
+    """A decode step whose every key is visible takes the path without mask work; it must leave the same
+    significance, tiers and logits as the masked path, which the same row takes beside a left-padded one."""
+    model, factors = model_and_factors
+    enable_tale(model)
+    ids = torch.randint(0, 96, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    caches = [TaleCache(factors, tiered_policy(), model.config, model=model) for _ in range(2)]
+    alone = [model(ids[:1, :20], cache=caches[0]).logits[:, -1]]
+    beside = [model(ids[:, :20], attention_mask=mask[:, :20], cache=caches[1]).logits[:1, -1]]
+    for i in range(20, 60):
+        alone.append(model(ids[:1, i : i + 1], cache=caches[0]).logits[:, -1])
+        step = model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=caches[1])
+        beside.append(step.logits[:1, -1])
+    torch.testing.assert_close(torch.cat(alone), torch.cat(beside), atol=2e-5, rtol=1e-4)
+    one, two = caches[0].layers[1], caches[1].layers[1]
+    assert one.n_compressed == two.n_compressed > 30  # both crossed several compressions
+    torch.testing.assert_close(one.acc, two.acc[:1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one.cnt, two.cnt[:1])
+    for a, b in zip(one.tier_k + one.tier_v, two.tier_k + two.tier_v, strict=True):
+        assert torch.equal(a.data, b.data[:1])
+
+
+@torch.no_grad()
 def test_generate_with_full_rank_cache_matches_plain_generate(model_and_factors):
     model, factors = model_and_factors
     ids = torch.randint(0, 96, (1, 24))
