@@ -22,29 +22,31 @@ PIVOTS = (1, 2, 3)
 _MASK = 0xFFFFFFFF
 
 
-def _build(jit: Callable, count: bool = True) -> dict[int, Callable]:
-    """Define the three sorts with ``jit`` applied to every function (identity = pure Python).
+def _build(jit: Callable, count: bool = True, helper: Callable | None = None) -> dict[int, Callable]:
+    """Define the three sorts with ``jit`` applied to them and ``helper`` (default ``jit``) to the functions
+    they call (identity = pure Python).
 
     Each sorts ``k`` (keys) and ``ix`` (original positions) together in place, comparing (key, position)
     pairs, so scans read contiguous keys as a native value sort does.
     ``stats`` = [comparisons, swaps, xorshift state, insertion moves]; ``count=False`` leaves the counters
     alone (the timed path: no counter store per comparison).
     """
+    helper = helper or jit
 
-    @jit
+    @helper
     def lt(ka, ia, kb, ib, stats):  # one comparison of (key, position) pairs
         if count:
             stats[0] += 1
         return ka < kb or (ka == kb and ia < ib)
 
-    @jit
+    @helper
     def swap(k, ix, i, j, stats):
         if count:
             stats[1] += 1
         k[i], k[j] = k[j], k[i]
         ix[i], ix[j] = ix[j], ix[i]
 
-    @jit
+    @helper
     def pick(k, ix, slot, lo, hi, stats):  # move a uniform random element of [lo, hi] to slot (uncounted)
         x = stats[2]
         x ^= (x << 13) & _MASK
@@ -55,7 +57,7 @@ def _build(jit: Callable, count: bool = True) -> dict[int, Callable]:
         k[slot], k[j] = k[j], k[slot]
         ix[slot], ix[j] = ix[j], ix[slot]
 
-    @jit
+    @helper
     def insertion(k, ix, lo, hi, stats):
         for i in range(lo + 1, hi + 1):
             xk, xi = k[i], ix[i]
@@ -197,10 +199,14 @@ _PURE = _build(lambda f: f)
 
 @functools.cache
 def _compiled() -> dict[int, Callable]:
-    """The numba instantiation, compiled on first use (numba caches it on disk)."""
-    import numba
+    """The numba instantiation, compiled on first use and cached on disk by numba.
 
-    return _build(numba.njit(cache=True), count=False)
+    The helpers are plain jitable functions, not dispatchers: numba keys a cached closure by its cell contents,
+    and a dispatcher pickles with a new id in every process (a recompile and a new cache file every run)."""
+    import numba
+    from numba.extending import register_jitable
+
+    return _build(numba.njit(cache=True), count=False, helper=register_jitable)
 
 
 @dataclass
