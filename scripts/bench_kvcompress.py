@@ -159,7 +159,8 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
             select_attention(model, m)
             cache = factories[m]()
             token = shared.start(cache)[:, -1:].argmax(-1)
-            _, token = decode_step_seconds(model, token, cache, 2)  # warm-up (kernel loading), not counted
+            # warm-up, not counted: one round, so its compression and every kernel signature are loaded
+            _, token = decode_step_seconds(model, token, cache, args.decode_steps)
             states[m], kv_mib[m] = {"method": m, "cache": cache, "token": token}, kv_bytes(cache) / 2**20
         del shared
 
