@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import ATTN_IMPLEMENTATION, TaleLayer, observed_rows
-from .scores import QUERY_CHUNK, column_probs
+from .scores import QUERY_CHUNK, column_probs, mask_rows
 
 
 def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device) -> torch.Tensor | None:
@@ -45,22 +45,13 @@ def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, kv_len: int, device
             return None
         rows = torch.arange(kv_len - q, kv_len, device=device)[:, None]
         return (torch.arange(kv_len, device=device)[None, :] <= rows).expand(b, 1, q, kv_len)
-    seen = getattr(mask, "tale_all_visible", None)
-    if seen is not None and seen[0] == (mask._version, kv_len):
-        visible = seen[1]
-    else:
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        visible = bool(allowed[..., -kv_len:].all())
-        mask.tale_all_visible = ((mask._version, kv_len), visible)
-    if visible:
+    key, seen = (mask._version, kv_len), getattr(mask, "tale_all_visible", None)
+    if seen == (key, True):
         return None
-    if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    return mask[..., -kv_len:].expand(b, 1, q, kv_len)
-
-
-def _rows(allowed: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if allowed is None else allowed[:, :, rows]
+    allowed = (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)[..., -kv_len:]
+    if seen is None or seen[0] != key:
+        seen = mask.tale_all_visible = (key, bool(allowed.all()))
+    return None if seen[1] else allowed.expand(b, 1, q, kv_len)
 
 
 def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -78,7 +69,7 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
                 query[:, :, :start],
                 layer.exact_k,
                 layer.exact_v,
-                attn_mask=_rows(allowed, slice(None, start)),
+                attn_mask=mask_rows(allowed, slice(None, start)),
                 scale=scaling,
                 enable_gqa=True,
             )
@@ -88,7 +79,7 @@ def attend(layer: TaleLayer, query: torch.Tensor, mask: torch.Tensor | None, sca
         _attend_chunk(
             layer,
             query[:, :, i : i + QUERY_CHUNK],
-            _rows(allowed, slice(i, i + QUERY_CHUNK)),
+            mask_rows(allowed, slice(i, i + QUERY_CHUNK)),
             scaling,
             g,
             record,

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 QUERY_CHUNK = 512  # query rows per chunk: a long prefill never materializes the full q x n score matrix
 
 
+def mask_rows(allowed: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """Query rows ``rows`` of a ``(b, 1, q, n)`` mask (None, every key visible, stays None)."""
+    return None if allowed is None else allowed[:, :, rows]
+
+
 def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | None, scaling: float) -> None:
     """Record the significance ``query`` rows (``allowed``: their ``(b, 1, q, length)`` mask, None = every key
     visible) give ``layer``'s exact tokens."""
@@ -27,8 +32,9 @@ def observe(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | None,
     n_exact = layer.exact_k.shape[-2]
     for i in range(0, query.shape[-2], QUERY_CHUNK):
         rows = slice(i, i + QUERY_CHUNK)
-        chunk = None if allowed is None else allowed[:, :, rows]
-        probs, _, exact_allowed, visible = column_probs(layer, query[:, :, rows], chunk, scaling, g)
+        probs, _, exact_allowed, visible = column_probs(
+            layer, query[:, :, rows], mask_rows(allowed, rows), scaling, g
+        )
         layer.record_significance(probs[..., :n_exact], exact_allowed, visible, g)
 
 
