@@ -36,7 +36,7 @@ def build_parser() -> ArgumentParser:
 def _distill(args) -> str:
     from toolkit.checkpoint import open_checkpoint
 
-    from .check import load_recipe_or_usage
+    from .shipped import load_recipe_or_usage
 
     recipe = load_recipe_or_usage(args.recipe, args.overrides)  # a file or a shipped name
     from .train import train

@@ -25,8 +25,8 @@ from toolkit.cliargs import ArgumentParser, UsageError, add_limit, existing_path
 
 from .budget import DEFAULT_TFLOPS, plan_budget
 from .memory import GB, Batch, Parallel, Params, activations, comm_buffers, lstsq_init, model_states
-from .recipe import Recipe, RecipeError, load_recipe
-from .shipped import find
+from .recipe import Recipe
+from .shipped import find, load_recipe_or_usage
 
 RESERVE = 0.10  # share of each GPU kept for the CUDA context, NCCL buffers and allocator fragmentation
 EPILOG = """examples:
@@ -83,19 +83,6 @@ def build_parser() -> ArgumentParser:
     )
     add_limit(parser, 8, "rows read per data source")
     return parser
-
-
-def load_recipe_or_usage(path: str | Path, overrides: list[str]) -> Recipe:
-    """``load_recipe`` of a recipe file or a shipped recipe's name (``distill.shipped.find``) with every problem
-    on one line, as the CLIs report bad input."""
-    path = find(path, "recipe")
-    try:
-        return load_recipe(path, overrides)
-    except RecipeError as e:
-        problems = [line.removeprefix("recipe error: ") for line in str(e).splitlines()]
-        raise UsageError(
-            f"recipe {path}: {'; '.join(problems)} (to resolve, fix the recipe or the key=value overrides)"
-        ) from None
 
 
 def open_source(recipe: Recipe, tokenizer: bool) -> Checkpoint:

@@ -260,8 +260,8 @@ def _predicted(model, h: torch.Tensor) -> torch.Tensor:
 
 
 def _recipe_of(checkpoint: Path, recipe: Path | None, overrides: list[str]):
-    from .check import load_recipe_or_usage
     from .recipe import Recipe
+    from .shipped import load_recipe_or_usage
 
     if recipe is not None:
         return load_recipe_or_usage(recipe, overrides)

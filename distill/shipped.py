@@ -30,6 +30,8 @@ from pathlib import Path
 
 from toolkit.cliargs import UsageError, add_force, command_parser, run
 
+from .recipe import Recipe, RecipeError, load_recipe
+
 SHIPPED = Path(str(importlib.resources.files("distill") / "recipes"))
 # kind -> (the folder under recipes/, what a user does with it): the order `swiftkv recipes` lists them in
 KINDS = {
@@ -109,6 +111,19 @@ def find(name: str | Path, kind: str) -> Path:
     """A file of ``kind``: an existing path as it is, else the shipped one of that name (``entry``)."""
     path = Path(name).expanduser()
     return path if path.exists() else entry(str(name), kind).path
+
+
+def load_recipe_or_usage(path: str | Path, overrides: list[str]) -> Recipe:
+    """``load_recipe`` of a recipe file or a shipped recipe's name (``distill.shipped.find``) with every problem
+    on one line, as the CLIs report bad input."""
+    path = find(path, "recipe")
+    try:
+        return load_recipe(path, overrides)
+    except RecipeError as e:
+        problems = [line.removeprefix("recipe error: ") for line in str(e).splitlines()]
+        raise UsageError(
+            f"recipe {path}: {'; '.join(problems)} (to resolve, fix the recipe or the key=value overrides)"
+        ) from None
 
 
 def deepspeed_config(value: str) -> str:

@@ -213,8 +213,7 @@ def run_job(config: JobConfig = FULL) -> Path:
     """Run (or resume) the main job ``config`` into ``config.run_dir``; return the path of its ``report.md``."""
     import torch
 
-    from distill.check import load_recipe_or_usage
-    from distill.shipped import find
+    from distill.shipped import find, load_recipe_or_usage
     from toolkit.artifacts import read_provenance
     from toolkit.assets import fetch_model, fetch_sharegpt
     from toolkit.checkpoint import open_checkpoint

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .defaults import BITS, BLOCK, DATA, MAX_LENGTH, RANK_BUDGET, SAMPLES, SCALES, SINKS, WINDOW
 from .factors import (
     POLICY_FILE,
     Factors,
@@ -185,15 +186,15 @@ def chat_sequences(
 def calibrate(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
-    data: str = "sharegpt",
-    samples: int = 64,
-    max_length: int = 2048,
-    rank_budget: float = 0.5,
-    bits: Sequence[int | None] = (4, 2, 2),
-    scales: str = "cc",
-    sinks: int = 4,
-    window: int = 64,
-    block: int = 32,
+    data: str = DATA,
+    samples: int = SAMPLES,
+    max_length: int = MAX_LENGTH,
+    rank_budget: float = RANK_BUDGET,
+    bits: Sequence[int | None] = BITS,
+    scales: str = SCALES,
+    sinks: int = SINKS,
+    window: int = WINDOW,
+    block: int = BLOCK,
     force: bool = False,
     checkpoint_every: int = 32,
     progress: bool = True,

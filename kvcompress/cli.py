@@ -13,6 +13,8 @@ from toolkit.cliargs import (
     run,
 )
 
+from . import defaults as D
+
 EPILOG = """examples:
   swiftkv kvcompress calibrate models/smollm2 --out out/kv --data sharegpt --limit 64 --max-length 4096 --bits 4,2,2
   swiftkv kvcompress calibrate models/smollm2 --out out/kv --limit 32 --max-length 256 --force
@@ -29,36 +31,43 @@ def build_parser() -> ArgumentParser:
     add_checkpoint(cal, "model_dir", help="model folder or Hub id (Llama family, or a SwiftKV checkpoint)")
     add_out(cal, help="factors directory to write (complete or absent)")
     cal.add_argument(
-        "--data", default="sharegpt", help="'sharegpt' or a JSONL of conversations (default: sharegpt)"
+        "--data", default=D.DATA, help=f"'sharegpt' or a JSONL of conversations (default: {D.DATA})"
     )
-    add_limit(cal, 64, "calibration sequences (conversations joined to --max-length tokens)")
+    add_limit(cal, D.SAMPLES, "calibration sequences (conversations joined to --max-length tokens)")
     cal.add_argument(
         "--max-length",
         type=int,
-        default=2048,
-        help="tokens per calibration sequence: the context length you serve (default: 2048)",
+        default=D.MAX_LENGTH,
+        help=f"tokens per calibration sequence: the context length you serve (default: {D.MAX_LENGTH})",
     )
     cal.add_argument(
         "--rank-budget",
         type=float,
-        default=0.5,
-        help="average key rank / head_dim of compressed tokens (default: 0.5)",
+        default=D.RANK_BUDGET,
+        help=f"average key rank / head_dim of compressed tokens (default: {D.RANK_BUDGET})",
     )
     cal.add_argument(
         "--bits",
         type=int_list,
-        default=[4, 2, 2],
-        help="bit width per tier, most significant first (default: 4,2,2)",
+        default=list(D.BITS),
+        help=f"bit width per tier, most significant first (default: {','.join(map(str, D.BITS))})",
     )
     cal.add_argument(
         "--scales",
-        default="cc",
-        help="key and value scales of every tier: t per token, c per channel over groups of tokens (default: cc)",
+        default=D.SCALES,
+        help=f"key and value scales of every tier: t per token, c per channel over groups of tokens (default: {D.SCALES})",
     )
-    cal.add_argument("--sinks", type=int, default=4, help="attention-sink tokens kept exact (default: 4)")
-    cal.add_argument("--window", type=int, default=64, help="recent tokens kept exact (default: 64)")
     cal.add_argument(
-        "--block", type=int, default=32, help="compress once this many tokens left the window (default: 32)"
+        "--sinks", type=int, default=D.SINKS, help=f"attention-sink tokens kept exact (default: {D.SINKS})"
+    )
+    cal.add_argument(
+        "--window", type=int, default=D.WINDOW, help=f"recent tokens kept exact (default: {D.WINDOW})"
+    )
+    cal.add_argument(
+        "--block",
+        type=int,
+        default=D.BLOCK,
+        help=f"compress once this many tokens left the window (default: {D.BLOCK})",
     )
     add_force(cal)
     return parser

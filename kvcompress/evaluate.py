@@ -37,12 +37,13 @@ import torch.nn.functional as F
 from .attention import enable_tale
 from .cache import OBSERVED_QUERIES, TaleCache
 from .calibrate import chat_sequences
+from .defaults import BLOCK, SINKS, WINDOW
 from .factors import Factors, identity_factors
 from .policy import Policy, Tier, scales_pair, uniform_policy
 
 
 def make_method(
-    spec: str, model, factors: Factors, sinks: int = 4, window: int = 64, block: int = 32
+    spec: str, model, factors: Factors, sinks: int = SINKS, window: int = WINDOW, block: int = BLOCK
 ) -> Callable:
     """A zero-argument factory of fresh caches for ``spec`` (see module docstring); sets the attention."""
     from transformers import DynamicCache, QuantizedCache
@@ -206,8 +207,8 @@ def measure_sequence(
     methods: list[str],
     prefix: int,
     chunk: int,
-    sinks: int = 4,
-    window: int = 64,
+    sinks: int = SINKS,
+    window: int = WINDOW,
     done: Callable[[str, dict], None] | None = None,
 ) -> dict[str, dict]:
     """One sequence, every method (``methods[0]`` the reference): summed NLL, KL(reference ‖ method) and top-1
@@ -266,8 +267,8 @@ def quality(
     prefix: int,
     continuation: int,
     chunk: int,
-    sinks: int = 4,
-    window: int = 64,
+    sinks: int = SINKS,
+    window: int = WINDOW,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """``summarize`` of ``measure_sequence`` over ``count`` held-out ShareGPT sequences of ``prefix +

@@ -40,6 +40,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .defaults import BLOCK, SINKS, WINDOW
 from .quant import ALLOWED_BITS, bytes_per_vector, check_bits
 
 Scales = Literal["token", "channel"]
@@ -68,9 +69,9 @@ class Policy(BaseModel):
     """How a ``TaleCache`` stores tokens; validates itself (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid")
-    sinks: int = Field(4, ge=0, description="first tokens kept exact forever (attention sinks)")
-    window: int = Field(64, ge=0, description="most recent tokens kept exact")
-    block: int = Field(32, ge=1, description="compress only once this many tokens have left the window")
+    sinks: int = Field(SINKS, ge=0, description="first tokens kept exact forever (attention sinks)")
+    window: int = Field(WINDOW, ge=0, description="most recent tokens kept exact")
+    block: int = Field(BLOCK, ge=1, description="compress only once this many tokens have left the window")
     observe: int = Field(
         64,
         ge=1,

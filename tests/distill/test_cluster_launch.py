@@ -135,9 +135,10 @@ def test_every_reallocation_costs_a_restart_and_new_baselines_run():
 def test_recipe_jobs_fit_by_the_distill_check_estimate():
     """A job with a recipe fits where `distill check` says it fits: the 8B recipe at seq 8192 does not fit
     16 GB GPUs at any ZeRO stage (a fixed 4 GB for activations once let the planner put it there)."""
-    from distill.check import load_recipe_or_usage, model_config_of, peak_gb, plan
+    from distill.check import model_config_of, peak_gb, plan
     from distill.cluster.configs import memory_per_gpu_gb
     from distill.memory import Parallel
+    from distill.shipped import load_recipe_or_usage
 
     recipe, config = (
         ROOT / "recipes" / "swiftkv_llama3.1_8b.yaml",

@@ -1,0 +1,16 @@
+"""The calibration default, written once for ``calibrate()``, ``Policy``, the evaluation and the command line.
+
+``--rank-budget 0.5 --bits 4,2,2 --scales cc`` is the TALE point of least perplexity increase on the 2026-12-06
+sweep (:mod:`.policy`'s docstring, docs/results/kvcompress.md).  No torch here: ``swiftkv kvcompress --help``
+reads these without importing it.
+"""
+
+RANK_BUDGET = 0.5  # average key rank / head_dim of compressed tokens
+BITS = (4, 2, 2)  # bit width per tier, most significant first
+SCALES = "cc"  # key and value scales: c per channel over groups of tokens, t per token
+SINKS = 4  # first tokens kept exact (attention sinks)
+WINDOW = 64  # most recent tokens kept exact
+BLOCK = 32  # compress once this many tokens have left the window
+DATA = "sharegpt"  # calibration conversations
+SAMPLES = 64  # calibration sequences
+MAX_LENGTH = 2048  # tokens per calibration sequence: the context length served
