@@ -8,7 +8,8 @@ cluster file.  A shipped file's name is its path under ``recipes/`` without the 
 
 Every command that takes one of these files takes a name too, through ``find``: an existing path is used as it
 is, else the name is looked up among the shipped files of that kind, else the command refuses in one line that
-lists the close matches.  The accelerate configs name their DeepSpeed config as ``recipes/deepspeed/NAME.json``,
+lists the close matches; ``load_recipe_or_usage`` loads a recipe so (a file or a name), every problem on one line
+before torch is imported.  The accelerate configs name their DeepSpeed config as ``recipes/deepspeed/NAME.json``,
 which ``find`` resolves the same way, so a shipped accelerate config works from any folder
 (``deepspeed_config_file`` in ``distill.train`` and ``distill.check``).
 
