@@ -121,3 +121,20 @@ def test_a_shipped_accelerate_config_finds_its_deepspeed_file_from_any_folder(tm
     (tmp_path / "recipes/deepspeed").mkdir(parents=True)
     (tmp_path / "recipes/deepspeed/zero2.json").write_text("{}")
     assert deepspeed_config("recipes/deepspeed/zero2.json") == "recipes/deepspeed/zero2.json"
+
+
+def test_a_bad_override_of_a_shipped_recipe_is_refused_before_torch_is_imported(tmp_path):
+    """`swiftkv distill NAME key=value` checks the recipe before the training stack loads: the one-line refusal
+    comes from a process that never imported torch or transformers."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from distill.__main__ import main; rc = main(['swiftkv_smollm2_cpu', 'train.max_step=1']); "
+        "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, env=None
+    )
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "train.max_step: unknown key" in proc.stderr
