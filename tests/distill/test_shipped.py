@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,9 +128,6 @@ def test_a_shipped_accelerate_config_finds_its_deepspeed_file_from_any_folder(tm
 def test_a_bad_override_of_a_shipped_recipe_is_refused_before_torch_is_imported(tmp_path):
     """`swiftkv distill NAME key=value` checks the recipe before the training stack loads: the one-line refusal
     comes from a process that never imported torch or transformers."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys; from distill.__main__ import main; rc = main(['swiftkv_smollm2_cpu', 'train.max_step=1']); "
         "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
