@@ -50,6 +50,24 @@ def kendall_tau(scores: Sequence[float] | np.ndarray, labels: Sequence[float] | 
     return float(kendalltau(np.asarray(scores), np.asarray(labels)).statistic)
 
 
+def kendall_tau_interval(
+    scores: Sequence[float] | np.ndarray, labels: Sequence[float] | np.ndarray, resamples: int = 1000
+) -> tuple[float, float]:
+    """95% bootstrap interval of :func:`kendall_tau`: prompts resampled with their labels (paired), seeded, so
+    that two rankers scored on the same prompts get comparable intervals."""
+    from scipy.stats import bootstrap, kendalltau
+
+    def tau(s: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:  # one tau per resample (row)
+        rows = zip(np.atleast_2d(s), np.atleast_2d(y), strict=True)
+        return np.array([kendalltau(a, b).statistic for a, b in rows])
+
+    result = bootstrap(
+        (np.asarray(scores, np.float64), np.asarray(labels, np.float64)), tau, paired=True, vectorized=True,
+        n_resamples=resamples, method="percentile", rng=np.random.default_rng(0),
+    )  # fmt: skip
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
+
+
 def tau_ceiling(labels: Sequence[float] | np.ndarray) -> float:
     """Kendall's tau-b of a perfect predictor whose scores never tie: sqrt(1 - tied label pairs / pairs).
 

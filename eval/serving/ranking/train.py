@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from toolkit.artifacts import atomic_output_dir, sha256_file, write_json_atomic, write_provenance
 
-from .listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
+from .listmle import (
+    bucket_edges,
+    kendall_tau,
+    kendall_tau_interval,
+    length_labels,
+    listmle_loss,
+    tau_ceiling,
+)
 from .predictors import (
     HEAD_FILE,
     Ranker,
@@ -329,7 +336,8 @@ def evaluate_ranker(
     split: str = "held-out",
     target_model: str | os.PathLike | None = None,
 ) -> dict:
-    """Kendall's tau of the ranker on held-out prompts, beside the prompt-length heuristic and the oracle.
+    """Kendall's tau of the ranker on held-out prompts (with a 95% bootstrap interval against the raw lengths),
+    beside the prompt-length heuristic and the oracle.
 
     The oracle is tie-free (as any real predictor is), so its tau is below 1 when many replies hit the cap.
     """
@@ -356,6 +364,7 @@ def evaluate_ranker(
         "label_bin": ranker.spec.label_bin,
         "kendall_tau": kendall_tau(scores, labels),
         "kendall_tau_raw": kendall_tau(scores, raw),
+        "kendall_tau_raw_95": kendall_tau_interval(scores, raw),
         "prompt_len_tau": kendall_tau([-t.prompt_len for t in traces], labels),
         "prompt_len_tau_raw": kendall_tau([-t.prompt_len for t in traces], raw),
         **baseline,
@@ -384,7 +393,9 @@ def evaluation_table(result: dict) -> str:
     ]
     for name, key in rows:
         if key in result:  # rankers trained before the one-feature baseline existed lack it
-            lines.append(f"| {name} | {result[key + '_raw']:.3f} | {result[key]:.3f} |")
+            low_high = result.get(key + "_raw_95")
+            interval = f" [{low_high[0]:.3f}, {low_high[1]:.3f}]" if low_high else ""
+            lines.append(f"| {name} | {result[key + '_raw']:.3f}{interval} | {result[key]:.3f} |")
     return "\n".join(lines)
 
 

@@ -135,7 +135,12 @@ def test_cli_labels_train_evaluate(sharegpt_file, tokenizer_dir, tmp_path, capsy
     for name, key in [("ranker (ngram", "kendall_tau"), ("shortest prompt", "prompt_len_tau"),
                       ("one-feature", "one_feature_tau")]:  # fmt: skip
         row = next(line for line in table.splitlines() if line.startswith(f"| {name}"))
-        assert row.split("|")[2:4] == [f" {result[key + '_raw']:.3f} ", f" {result[key]:.3f} "]
+        raw = f"{result[key + '_raw']:.3f}"
+        if key + "_raw_95" in result:  # the ranker's tau with its interval
+            raw += " [{:.3f}, {:.3f}]".format(*result[key + "_raw_95"])
+        assert row.split("|")[2:4] == [f" {raw} ", f" {result[key]:.3f} "]
+    low, high = result["kendall_tau_raw_95"]
+    assert low < result["kendall_tau_raw"] < high and high - low < 0.3  # 80 prompts
 
 
 def test_train_on_every_trace_then_evaluate_others(sharegpt_file, tokenizer_dir, tmp_path, capsys):

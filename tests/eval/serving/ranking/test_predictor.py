@@ -14,7 +14,14 @@ from helpers import ROOT
 from helpers.hub import HUB_REPO
 
 from eval.serving.ranking.cli import main
-from eval.serving.ranking.listmle import bucket_edges, kendall_tau, length_labels, listmle_loss, tau_ceiling
+from eval.serving.ranking.listmle import (
+    bucket_edges,
+    kendall_tau,
+    kendall_tau_interval,
+    length_labels,
+    listmle_loss,
+    tau_ceiling,
+)
 from eval.serving.ranking.predictors import HiddenStateFeatures, Ranker
 from eval.serving.ranking.traces import generate_traces, load_traces, read_meta, split_traces
 from eval.serving.ranking.train import TRAIN_FILE, TrainConfig, evaluate_ranker, train_ranker
@@ -132,6 +139,20 @@ def test_tau_ceiling_is_the_tau_of_a_tie_free_perfect_predictor():
     assert tau_ceiling(labels) == pytest.approx(kendall_tau(tie_broken, labels))
     assert tau_ceiling(labels) < 0.95
     assert tau_ceiling(np.arange(10.0)) == pytest.approx(1.0)
+
+
+def test_tau_interval_resamples_prompts_with_their_labels():
+    """Against a plain loop (prompts drawn with replacement, tau of each draw, the 2.5/97.5 percentiles): the
+    same interval up to bootstrap noise; a perfect ranking stays [1, 1] (only a paired resample keeps it)."""
+    rng = np.random.default_rng(1)
+    lengths = rng.lognormal(5, 1, 300)
+    scores = -np.log(lengths) + rng.normal(0, 1, 300)
+    draws = rng.integers(0, 300, (1000, 300))
+    loop = np.percentile([kendall_tau(scores[d], -lengths[d]) for d in draws], [2.5, 97.5])
+    low, high = kendall_tau_interval(scores, -lengths)
+    assert low < kendall_tau(scores, -lengths) < high
+    np.testing.assert_allclose([low, high], loop, atol=0.015)
+    assert kendall_tau_interval(-lengths, -lengths) == pytest.approx((1.0, 1.0))
 
 
 def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, synthetic_traces):
