@@ -54,10 +54,14 @@ def kendall_tau_interval(
     scores: Sequence[float] | np.ndarray, labels: Sequence[float] | np.ndarray, resamples: int = 1000
 ) -> tuple[float, float]:
     """95% bootstrap interval of :func:`kendall_tau`: prompts resampled with their labels (paired), seeded, so
-    that two rankers scored on the same prompts get comparable intervals."""
+    that two rankers scored on the same prompts get comparable intervals; NaN for fewer than two prompts (as
+    the tau itself)."""
     from scipy.stats import bootstrap, kendalltau
 
-    def tau(s: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:  # one tau per resample (row)
+    if len(scores) < 2:
+        return float("nan"), float("nan")
+
+    def tau(s: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:  # a tau per resample (row; axis=-1)
         rows = zip(np.atleast_2d(s), np.atleast_2d(y), strict=True)
         return np.array([kendalltau(a, b).statistic for a, b in rows])
 

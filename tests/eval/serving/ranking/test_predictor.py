@@ -153,6 +153,7 @@ def test_tau_interval_resamples_prompts_with_their_labels():
     assert low < kendall_tau(scores, -lengths) < high
     np.testing.assert_allclose([low, high], loop, atol=0.015)
     assert kendall_tau_interval(-lengths, -lengths) == pytest.approx((1.0, 1.0))
+    assert all(math.isnan(v) for v in (kendall_tau([1.0], [2.0]), *kendall_tau_interval([1.0], [2.0])))
 
 
 def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, synthetic_traces):
