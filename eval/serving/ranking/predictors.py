@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Literal
@@ -116,11 +117,34 @@ def default_layer(model_dir: str | os.PathLike) -> int:
     return AutoConfig.from_pretrained(model_dir).num_hidden_layers // 2
 
 
+def _first_layers(model_dir: str | os.PathLike, n_layers: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The model cut to its first ``n_layers``, quietly: transformers prints a load report on every load that
+    lists the checkpoint's later layers as unexpected weights, which is what a cut model means (also in a vLLM
+    server's log, where the ranker loads).  Weights the cut model lacks are still warned about."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModel.from_pretrained(
+            model_dir, num_hidden_layers=n_layers, dtype=dtype, output_loading_info=True
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        logging.getLogger(__name__).warning(
+            "%s cut to %d layers lacks weights %s (left at their initialization)",
+            model_dir, n_layers, sorted(info["missing_keys"]) + sorted(map(str, info["mismatched_keys"])),
+        )  # fmt: skip
+    return model.eval()
+
+
 class HiddenStateFeatures:
     """Pooled x_l of a served model for chat-templated prompts (what its prefill computes anyway)."""
 
     def __init__(self, model_dir: str | os.PathLike, layer: int, max_prompt_tokens: int, dtype=torch.float32):
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         n_layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
         if not 0 < layer < n_layers:
@@ -131,7 +155,7 @@ class HiddenStateFeatures:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
         if self.tokenizer.pad_token is None:  # Llama-3's has none; padded positions are masked out anyway
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModel.from_pretrained(model_dir, num_hidden_layers=layer + 1, dtype=dtype).eval()
+        self.model = _first_layers(model_dir, layer + 1, dtype)
         self._cache: dict[str, torch.Tensor] = {}
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:

@@ -170,6 +170,27 @@ def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, syn
     )
 
 
+def test_cut_model_loads_without_the_load_report_and_warns_of_missing_weights(
+    tiny_model, tmp_path, capfd, caplog
+):
+    """Cutting the model leaves its later layers unloaded, as meant: no load report (transformers prints one listing
+    them on every load, in a server's log too); a weight the cut model lacks is still a warning."""
+    from safetensors.torch import load_file, save_file
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    HiddenStateFeatures(tiny_model, layer=2, max_prompt_tokens=64)
+    assert "LOAD REPORT" not in capfd.readouterr().err + caplog.text  # a handler's stream or the log records
+    assert hf_logging.get_verbosity() == verbosity
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (weights,) = broken.glob("*.safetensors")
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if "layers.1.mlp.up_proj" not in k}, weights, {"format": "pt"})
+    HiddenStateFeatures(broken, layer=2, max_prompt_tokens=64)
+    assert "layers.1.mlp.up_proj.weight" in caplog.text
+
+
 def test_swiftkv_head_learns_and_exports(tiny_model, synthetic_traces, tmp_path):
     out = train_ranker(
         synthetic_traces, tmp_path / "ranker", TrainConfig(epochs=40, list_size=16, head_hidden=64)
