@@ -56,14 +56,14 @@ def kendall_tau_interval(
     """95% bootstrap interval of :func:`kendall_tau`: prompts resampled with their labels (paired), seeded, so
     that two rankers scored on the same prompts get comparable intervals; NaN for fewer than two prompts (as
     the tau itself)."""
-    from scipy.stats import bootstrap, kendalltau
+    from scipy.stats import bootstrap
 
     if len(scores) < 2:
         return float("nan"), float("nan")
 
     def tau(s: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:  # a tau per resample (row; axis=-1)
         rows = zip(np.atleast_2d(s), np.atleast_2d(y), strict=True)
-        return np.array([kendalltau(a, b).statistic for a, b in rows])
+        return np.array([kendall_tau(a, b) for a, b in rows])
 
     result = bootstrap(
         (np.asarray(scores, np.float64), np.asarray(labels, np.float64)), tau, paired=True, vectorized=True,
