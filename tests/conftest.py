@@ -15,15 +15,17 @@ import torch
 
 from toolkit.artifacts import cache_dir
 
+# torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
+# its subprocesses, find them: beside the embedded assets, not in a temp folder that may be cleaned.  Named before
+# the helpers' imports: importing a transformers model class makes torch's inductor write its temp-folder default
+# into the environment, which a later setdefault would keep
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
 pytest.register_assert_rewrite("helpers")  # before the first helper's import: its asserts explain themselves
 from helpers.ci import MARKED_FIXTURES, VLLM_VENV_PYTHON, require, unlisted_skip  # noqa: E402
 from helpers.models import tiny_base  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# torch.compile's kernels (flex_attention, the compiled static-cache decode) cached where the next session, and
-# its subprocesses, find them: beside the embedded assets, not in a temp folder that may be cleaned
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "torchinductor"))
-# vLLM's cache beside it: every vLLM process of the suite (some 20) otherwise inspects each model class again in a
+# vLLM's cache beside the kernels': every vLLM process of the suite (some 20) otherwise inspects each model class again in a
 # subprocess of its own (~10 s each), and compiles again what an earlier run compiled
 os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
 # One OpenMP thread per core in all: each of N xdist workers, and every process it starts (launches, servers, the

@@ -9,6 +9,7 @@ a copy; the rules and the allowlist are in tests/helpers/ci.py).
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 
@@ -97,6 +98,22 @@ def test_missing_assets_and_unlisted_skips_fail_under_ci_and_skip_otherwise(pyte
     assert local.get("test_unmarked") == "ERROR" and local.get("test_plain") == "PASSED"
     assert [local.get(t) for t in ("test_unlisted_skip", "test_allowed_skip")] == ["SKIPPED"] * 2
     assert "ERROR test_missing_import.py" not in local["output"]
+
+
+def test_compiled_kernels_are_cached_in_the_toolkits_cache(pytester, monkeypatch):
+    """A fresh pytest process (conftest's import order decides it) names torch's inductor cache under the toolkit's
+    cache folder, which later sessions keep, not torch's temp-folder default: importing a transformers model class
+    writes that default into the environment, so conftest must name its folder first."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(
+        test_env="import os\n\ndef test_env():\n    print('INDUCTOR=' + os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+    )
+    monkeypatch.setenv("SWIFTKV_CACHE", str(pytester.path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", "--import-mode=importlib")
+    assert result.ret == 0, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines([f"*INDUCTOR={pytester.path / 'cache' / 'torchinductor'}"])
 
 
 def test_ci_script_runs_the_readme_command_with_ci_true():
