@@ -70,6 +70,7 @@ from toolkit.artifacts import write_json_atomic  # noqa: E402
 from toolkit.cliargs import ArgumentParser, add_out, add_seed, int_list, run  # noqa: E402
 
 from .serving.vllm import gpu_check as vllm_check  # noqa: E402  (the vLLM part: no vLLM or torch at import)
+from .serving.vllm.gpu_check_reference import reference_unusable  # noqa: E402
 
 # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B), and a tiny config with the same structure
 LLAMA31_8B = dict(
@@ -452,7 +453,7 @@ def setup_problem(
 ) -> tuple[int, str] | None:
     """Why the vLLM section cannot start, as (exit status, one line), or None.  ``probe``: what ``vllm_python``
     sees (``probe_python``); ``cuda_here``: whether this interpreter sees a CUDA device; ``reference``: why this
-    interpreter cannot run the transformers reference (``eval.serving.vllm.gpu_check.reference_unusable``), or
+    interpreter cannot run the transformers reference (``eval.serving.vllm.gpu_check_reference.reference_unusable``), or
     None."""
     if not cuda_here and not probe.get("cuda"):
         return NO_GPU, ("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine "
@@ -479,7 +480,7 @@ def vllm_setup(args, cuda_here: bool) -> tuple[int, str] | None:
     probe = probe_python(args.vllm_python)
     reference = None
     if probe.get("vllm") is True:
-        reference = vllm_check.reference_unusable(sys.executable)
+        reference = reference_unusable(sys.executable)
     return setup_problem(probe, cuda_here, args.vllm_python, reference)
 
 

@@ -4,7 +4,9 @@ Run with the vLLM venv's python (``scripts/setup_vllm_cpu.sh``).  Every experime
 same engine settings (``--dtype float32``, an explicit ``--kv-cache-memory-bytes``, the CPU environment of
 ``eval.serving.vllm.cpu``; compiled unless ``--enforce-eager``), keeps them up side by side, and runs the client
 code of ``vllm bench serve`` (``vllm.benchmarks.serve``: vllm-cpu's ``vllm`` console command does not start)
-against each in turn, the order alternating from repeat to repeat (A B, B A, ...); tables report medians.
+against each in turn, the order alternating from repeat to repeat (A B, B A, ...); tables report medians.  One
+file on purpose (~940 lines): the three experiments share its servers, client and workloads, which
+``bench_rank_proxy.py`` imports too, and ``scripts/`` holds benchmarks only, so the shared part has no other home.
 
 * ``load SWIFTKV ORIGINAL``: the SwiftKV claim on a loaded server.  Two prompt-heavy workloads: held-out
   ShareGPT conversations cut to 1-4k tokens with a 10:1 prompt:output ratio (written as the client's

@@ -46,7 +46,7 @@ imports only what the plugin needs (vLLM, torch, transformers and ``swiftkv``); 
 there.  The transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the
 transformers this package pins: vLLM often pins an older one, so point it at the environment where this package is
 installed with its dependencies (``swiftkv gpu-check`` passes its own); one process there serves every row's
-reference (``ReferenceProcess``).  ``--cpu`` runs the same rows on vLLM's CPU build
+reference (``ReferenceProcess``, in :mod:`.gpu_check_reference` with the checkpoints).  ``--cpu`` runs the same rows on vLLM's CPU build
 (fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
 
     python -m eval.serving.vllm.gpu_check --reference-python .venv/bin/python --out gpu_check_vllm.json
@@ -57,7 +57,6 @@ reference (``ReferenceProcess``).  ``--cpu`` runs the same rows on vLLM's CPU bu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -70,22 +69,13 @@ from pathlib import Path
 
 from toolkit.cliargs import ArgumentParser, UsageError
 
+from .gpu_check_reference import TINY, WINDOW, ReferenceProcess, build_checkpoints, reference_unusable
+
 # how the children start (``python -m``: ``__name__`` is ``__main__`` there)
 MODULE = "eval.serving.vllm.gpu_check"
 # the folder this package is imported from (a checkout or site-packages): the engines import the same code
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-)  # fmt: skip  (head_dim 64)
-LM_HEAD_STD = 0.2  # peaked next-token distributions, so bf16 ties rarely decide greedy tokens
-WINDOW = 8  # the exact K/V rows' window: >= 1 + the n-gram drafts, as the plugin requires
 MAX_TOKENS = 32
 LONG_PROMPT = 4096  # the long-context pass: at least 4k tokens
 CHUNK = 2048  # max_num_batched_tokens: the batch prefills in one step, the long prompt in two
@@ -446,169 +436,6 @@ def run_engine(model: Path, engine: dict, env: dict, tmp: Path, timeout_s: float
     return {**json.loads(out.read_text()), "wall_s": time.monotonic() - t0}
 
 
-# -- the checkpoints and the transformers reference ------------------------------------------------------------------
-def build_checkpoints(out: Path, dtype: str) -> dict[str, Path]:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    import swiftkv.convert
-
-    def base(name: str, config) -> Path:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0, LM_HEAD_STD)
-            for n, p in model.named_parameters():  # non-trivial biases and head norms
-                if n.endswith("bias"):
-                    p.normal_(0, 0.02)
-                elif n.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.normal_(1.0, 0.2)
-        model.to(getattr(torch, dtype)).save_pretrained(out / name)
-        return out / name
-
-    common = dict(TINY, bos_token_id=None, eos_token_id=None)
-    original = base("original", LlamaConfig(**common))
-    convert = swiftkv.convert.convert
-    return {
-        "original": original,
-        "swiftkv50": convert(original, out / "swiftkv50", swiftkv_fraction=0.5),
-        "swiftkv50_g2": convert(original, out / "swiftkv50_g2", swiftkv_fraction=0.5, group_size=2),
-        "swiftkv50_exact": convert(original, out / "swiftkv50_exact", swiftkv_fraction=0.5, exact_kv_window=WINDOW),
-        "qwen2_swiftkv50": convert(base("qwen2", Qwen2Config(**common)), out / "qwen2_swiftkv50", swiftkv_fraction=0.5),
-        "qwen3_swiftkv50_g2": convert(
-            base("qwen3", Qwen3Config(**common, head_dim=64)), out / "qwen3_swiftkv50_g2", swiftkv_fraction=0.5,
-            group_size=2,
-        ),
-    }  # fmt: skip
-
-
-REFERENCE_PROBE = """
-from importlib.metadata import requires, version
-from packaging.requirements import Requirement
-need = [Requirement(r) for r in requires("swiftkv-toolkit") if Requirement(r).name == "transformers"][0]
-if not need.specifier.contains(version("transformers"), prereleases=True):
-    print(f"transformers {version('transformers')} (this package needs {need.specifier})")
-"""
-
-
-def reference_unusable(python: str) -> str | None:
-    """Why ``python`` cannot run the transformers reference (this package's model classes need the transformers
-    it pins; a serving environment often has vLLM's older one), or None."""
-    probe = subprocess.run([python, "-c", REFERENCE_PROBE], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"it cannot import this package's requirements ({probe.stderr.strip().splitlines()[-1]})"
-    return probe.stdout.strip() or None
-
-
-class ReferenceProcess:
-    """The transformers reference of every row in one child process of ``python`` (``--reference-worker``), started
-    by the first row that asks: a process a row paid torch's and transformers' import (and on a GPU a CUDA
-    context) each time, for a tiny model that loads in a moment.  A job is one JSON line on the child's stdin, its
-    answer one JSON line on the child's stdout; a job past its timeout, or a child that died, ends that child with
-    the row's error, and the next row starts a fresh one (its stderr goes to ``tmp/reference.log``)."""
-
-    def __init__(self, python: str, tmp: Path):
-        self.python, self.log = python, tmp / "reference.log"
-        self.process: subprocess.Popen | None = None
-
-    def run(self, model_dir: Path, requests: list[tuple[list[int], list[int]]], timeout_s: float) -> dict:
-        """``reference_logprobs`` of ``requests`` on ``model_dir``: {"requests": [...]} or {"error": ...}."""
-        import selectors
-
-        if self.process is None:
-            with open(self.log, "a") as log:
-                self.process = subprocess.Popen(
-                    [self.python, "-m", MODULE, "--reference-worker"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=log, text=True,
-                )  # fmt: skip
-        job = json.dumps({"model": str(model_dir), "requests": requests, "chunk": CHUNK})
-        answer = ""
-        try:
-            self.process.stdin.write(job + "\n")
-            self.process.stdin.flush()
-            with selectors.DefaultSelector() as ready:
-                ready.register(self.process.stdout, selectors.EVENT_READ)
-                if ready.select(timeout_s):
-                    answer = self.process.stdout.readline()
-        except BrokenPipeError:  # the child is gone: its log says why
-            pass
-        if answer:
-            return json.loads(answer)
-        timed_out = self.process.poll() is None
-        self.process.kill()
-        self.close()
-        if timed_out:
-            return {"error": f"no result within {timeout_s:.0f} s"}
-        return {"error": self.log.read_text()[-1500:] or "the reference process exited"}
-
-    def close(self) -> None:
-        """End the child: its stdin closed ends its loop (a child that does not end is killed)."""
-        if self.process is None:
-            return
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process.stdout.close()
-        self.process = None
-
-
-def serve_references(jobs) -> None:
-    """The child of ``ReferenceProcess``: for each JSON job line read from ``jobs``, one JSON line on stdout.  Anything
-    else that writes to stdout (a library's print) goes to stderr, so it cannot corrupt an answer; a job that
-    fails answers its error and the next one still runs."""
-    import traceback
-
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    for line in jobs:
-        job = json.loads(line)
-        try:
-            answer = {"requests": reference_logprobs(Path(job["model"]), job["requests"], job["chunk"])}
-        except Exception:  # this row's failure, reported as a failed process's was
-            answer = {"error": traceback.format_exc()[-1500:]}
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
-
-
-def reference_logprobs(
-    model_dir: Path, requests: list[tuple[list[int], list[int]]], chunk: int
-) -> list[dict]:
-    """For each (prompt, continuation): transformers fp32 log-probabilities of the continuation's tokens (the
-    model's own inference path: the prompt prefilled in chunks of ``chunk`` tokens with its length given, so that
-    exact K/V land on its last W tokens and the generated ones as a server puts them whatever its chunks, then one
-    token per step) and the gap to the best token at each step."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import swiftkv  # noqa: F401  (registers the SwiftKV classes)
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    out = []
-    with torch.no_grad():
-        for prompt, continuation in requests:
-            ids = torch.tensor([prompt], device=device)
-            step = None
-            prompt_len = {"swiftkv_prompt_len": len(prompt)} if hasattr(model, "set_mode") else {}
-            for start in range(0, len(prompt), chunk):
-                cache = None if step is None else step.cache
-                step = model(
-                    ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1, **prompt_len
-                )
-            logprobs, gaps = [], []
-            for token in continuation:
-                dist = step.logits[0, -1].float().log_softmax(-1)
-                logprobs.append(dist[token].item())
-                gaps.append((dist.max() - dist[token]).item())
-                step = model(torch.tensor([[token]], device=device), cache=step.cache, use_cache=True)
-            out.append({"logprobs": logprobs, "gaps": gaps})
-    return out
-
-
 # -- comparisons, tolerances and the verdict (pure: the CPU tests check them) -----------------------------------------
 def engine_diff(a: list[dict], b: list[dict]) -> dict:
     """Two engines' requests: the largest log-probability difference over each common prefix of greedy tokens,
@@ -781,7 +608,7 @@ def check(budget_s: float, cpu: bool, names: list[str] | None, reference_python:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         checkpoints = build_checkpoints(tmp / "models", "float32" if cpu else "bfloat16")
-        reference = ReferenceProcess(reference_python, tmp)
+        reference = ReferenceProcess(reference_python, tmp, CHUNK)
         try:
             results = run_rows(
                 rows, lambda row: served_row(row, checkpoints, tmp, cpu, 900, reference), budget_s
@@ -847,9 +674,6 @@ def main(argv: list[str] | None = None) -> int:
         "(default: this one)",
     )
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine, in a child process
-    parser.add_argument(  # internal: the references, in one child process (ReferenceProcess)
-        "--reference-worker", action="store_true", help=argparse.SUPPRESS
-    )
     try:
         args = parser.parse_args(argv)
         unknown = sorted(set(args.rows or ()) - {r.name for r in plan()})
@@ -865,9 +689,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         engine = json.loads(args.engine)
         args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))
-        return 0
-    if args.reference_worker:
-        serve_references(sys.stdin)
         return 0
     try:
         import torch

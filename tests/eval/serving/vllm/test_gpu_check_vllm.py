@@ -16,6 +16,7 @@ import torch
 from helpers import ROOT
 
 import eval.serving.vllm.gpu_check as check
+import eval.serving.vllm.gpu_check_reference as reference_check
 
 
 def test_vllm_rows_run_the_control_first_then_in_order_of_value():
@@ -326,13 +327,13 @@ def test_references_of_every_row_run_in_one_process_that_survives_a_failed_row(
     ends the process and the next job starts a fresh one; ``close`` ends the child."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     requests = [([1, 5, 9, 2], [7, 3]), ([4] * 10, [8])]
-    expected = check.reference_logprobs(tiny_llama_dir, requests, check.CHUNK)
+    expected = reference_check.reference_logprobs(tiny_llama_dir, requests, check.CHUNK)
 
     def answers(result: dict) -> list[dict]:
         assert "error" not in result, result["error"]
         return [{k: pytest.approx(v, rel=1e-6, abs=1e-7) for k, v in r.items()} for r in result["requests"]]
 
-    reference = check.ReferenceProcess(sys.executable, tmp_path)
+    reference = reference_check.ReferenceProcess(sys.executable, tmp_path, check.CHUNK)
     try:
         assert answers(reference.run(tiny_llama_dir, requests, 300)) == expected
         child = reference.process.pid

@@ -17,7 +17,9 @@ checked without vLLM.
 
 vLLM lives in its own venv (``scripts/setup_vllm_cpu.sh`` makes .venv-vllm; it pins transformers < 5.20), so the
 checkpoints and the reference tokens are made here and all engines run in ONE subprocess there
-(``python -m tests.helpers.vllm_cases --cases``), which pays vLLM's import once.
+(``python -m tests.helpers.vllm_cases --cases``), which pays vLLM's import once.  One file on purpose (~1,260 lines):
+that process is a module fixture, and a file's tests stay on one xdist worker (``--dist loadfile``), so a second file
+would start a second process and pay it again (~15 s of CPU).
 """
 
 from __future__ import annotations
