@@ -194,5 +194,11 @@ def reference_logprobs(
     return out
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """``ReferenceProcess``'s child: answers the jobs on stdin until it closes."""
     serve_references(sys.stdin)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
