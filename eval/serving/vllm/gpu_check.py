@@ -57,6 +57,7 @@ reference (``ReferenceProcess``, in :mod:`.gpu_check_reference` with the checkpo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -690,13 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         engine = json.loads(args.engine)
         args.out.write_text(json.dumps(serve(engine.pop("model"), engine, engine.pop("long"))))
         return 0
-    try:
-        import torch
-        import vllm  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("vllm") is None:  # found, not imported: a refusal costs no vLLM import
         print("error: vLLM is not installed in this environment (to resolve, run this from the serving "
               "environment, where vLLM and this package are installed)", file=sys.stderr)  # fmt: skip
         return 2
+    import torch
+
     if not args.cpu and not torch.cuda.is_available():
         print("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine, or pass "
               "--cpu for the row logic on vLLM's CPU build)", file=sys.stderr)  # fmt: skip

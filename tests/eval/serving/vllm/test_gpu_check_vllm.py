@@ -257,6 +257,19 @@ def test_vllm_comparisons_follow_greedy_prefixes_and_near_ties():
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_without_vllm_it_refuses_in_one_line_before_any_work(tmp_path, capsys):
+    """This test environment has no vLLM (the serving environment is another venv): one line, exit 2, nothing
+    written."""
+    out = tmp_path / "check.json"
+    assert check.main(["--cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: vLLM is not installed in this environment (to resolve, ")
+        and err.count("\n") == 1
+    )
+    assert not out.exists()
+
+
 def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     """The rows' own code on vLLM's CPU build (fp32, eager): an exact-K/V row and the control pass with the
     transformers path's log-probabilities, prefix hits in the second pass and the long prompt chunked; a chosen
