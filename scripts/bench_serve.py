@@ -66,11 +66,9 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eval.serving.vllm.cpu import cpu_environment
-from swiftkv.convert import read_config
-from swiftkv.flops import Shape, ideal_workload_speedup, kv_bytes_per_token
 from toolkit.cliargs import (
     ArgumentParser,
     UsageError,
@@ -81,6 +79,9 @@ from toolkit.cliargs import (
     existing_path,
     run,
 )
+
+if TYPE_CHECKING:
+    from swiftkv.flops import Shape
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -375,10 +376,6 @@ def load_workloads(args, tokenizer, work: Path) -> dict[str, list[list[str]]]:
 
 
 def run_load(args) -> str:
-    from transformers import AutoTokenizer
-
-    models = {"original": args.original, "swiftkv": args.model}
-    shape = Shape.from_config(read_config(args.model))
     if unknown := set(args.workloads) - set(WORKLOADS):
         raise UsageError(
             f"unknown workload {sorted(unknown)} (to resolve, choose from {', '.join(WORKLOADS)})"
@@ -387,6 +384,14 @@ def run_load(args) -> str:
         raise UsageError(
             "rates like 0.5x are multiples of the saturated rate (to resolve, add inf to --rates)"
         )
+    # imported once the command line is accepted: a refusal costs no torch import
+    from transformers import AutoTokenizer
+
+    from swiftkv.flops import Shape
+    from toolkit.checkpoint import read_config
+
+    models = {"original": args.original, "swiftkv": args.model}
+    shape = Shape.from_config(read_config(args.model))
     rates = sorted(args.rates, key=lambda r: r != "inf")  # the saturated run first: it calibrates the others
     work = args.work
     workloads = load_workloads(args, AutoTokenizer.from_pretrained(args.model), work)
@@ -445,6 +450,8 @@ METRICS = ("total_token_throughput", "output_throughput", "request_throughput",
 
 def load_rows(runs: list[dict], shape: Shape) -> list[dict]:
     """Per workload and rate: medians over repeats for each model, the SwiftKV/original ratios, the FLOP-ideal."""
+    from swiftkv.flops import ideal_workload_speedup
+
     rows = []
     for workload, spec in dict.fromkeys((r["workload"], r["rate"]) for r in runs):
         group = [r for r in runs if r["workload"] == workload and r["rate"] == spec]
@@ -714,6 +721,9 @@ def run_ranking(args) -> str:
     if scores is not None:
         arms["ltr"] = [-round(s * PRIORITY_SCALE) for s in scores]
     work = args.work
+    from swiftkv.flops import Shape, kv_bytes_per_token
+    from toolkit.checkpoint import read_config
+
     per_token = kv_bytes_per_token(Shape.from_config(read_config(args.model)), DTYPE_BYTES[args.dtype])
     longest = max(p + o for p, o in zip(prompt_lens, output_lens, strict=True)) + 64
     engine = engine_argv(args, longest, prefix_caching=False, kv_bytes=args.kv_tokens * per_token)
