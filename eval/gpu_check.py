@@ -453,8 +453,8 @@ def setup_problem(
 ) -> tuple[int, str] | None:
     """Why the vLLM section cannot start, as (exit status, one line), or None.  ``probe``: what ``vllm_python``
     sees (``probe_python``); ``cuda_here``: whether this interpreter sees a CUDA device; ``reference``: why this
-    interpreter cannot run the transformers reference (``eval.serving.vllm.gpu_check_reference.reference_unusable``), or
-    None."""
+    interpreter cannot run the transformers reference
+    (``eval.serving.vllm.gpu_check_reference.reference_unusable``), or None."""
     if not cuda_here and not probe.get("cuda"):
         return NO_GPU, ("no GPU: no CUDA device is visible, nothing was checked (to resolve, run on a GPU machine "
                         "with the serving environment)")  # fmt: skip
