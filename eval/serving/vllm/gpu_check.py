@@ -46,8 +46,8 @@ imports only what the plugin needs (vLLM, torch, transformers and ``swiftkv``); 
 there.  The transformers reference runs in ``--reference-python`` (default: this interpreter), which needs the
 transformers this package pins: vLLM often pins an older one, so point it at the environment where this package is
 installed with its dependencies (``swiftkv gpu-check`` passes its own); one process there serves every row's
-reference (``ReferenceProcess``, in :mod:`.gpu_check_reference` with the checkpoints).  ``--cpu`` runs the same rows on vLLM's CPU build
-(fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
+reference (``ReferenceProcess``, in :mod:`.gpu_check_reference` with the checkpoints).  ``--cpu`` runs the same
+rows on vLLM's CPU build (fp32, eager, no graphs: the row logic, not the GPU) and ``--rows`` picks rows by name.
 
     python -m eval.serving.vllm.gpu_check --reference-python .venv/bin/python --out gpu_check_vllm.json
     swiftkv gpu-check-vllm --cpu --rows swiftkv50,control --reference-python .venv/bin/python \\
