@@ -255,8 +255,6 @@ def test_vllm_comparisons_follow_greedy_prefixes_and_near_ties():
     assert ref == {"max_abs": pytest.approx(0.05), "tie_gap": pytest.approx(0.02)}
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
 def test_without_vllm_it_refuses_in_one_line_before_any_work(tmp_path, capsys):
     """This test environment has no vLLM (the serving environment is another venv): one line, exit 2, nothing
     written."""
@@ -270,6 +268,8 @@ def test_without_vllm_it_refuses_in_one_line_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_check_runs_its_rows_on_the_cpu_build(vllm_python, tmp_path):
     """The rows' own code on vLLM's CPU build (fp32, eager): an exact-K/V row and the control pass with the
     transformers path's log-probabilities, prefix hits in the second pass and the long prompt chunked; a chosen
