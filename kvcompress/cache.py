@@ -90,10 +90,11 @@ class TaleLayer(CacheLayerMixin):
         self.cnt = torch.zeros(b, 0, device=self.device)
         self.tier_ids = torch.zeros(b, h, 0, dtype=torch.uint8, device=self.device)
         f = self.factors
-        self.key_map = f.key_basis.to(
-            self.device
-        )  # (h, d, d) orthonormal columns: k̂ = c @ key_map[:, :, :r]ᵀ
-        self.value_map = f.value_basis.to(self.device)
+        scored = f.scored_key_basis is not None and not self.policy.per_token_keys
+        key_map, query_map = (f.scored_key_basis, f.scored_query_basis) if scored else (f.key_basis,) * 2
+        self.key_map = key_map.to(self.device)  # (h, d, d): coefficients c = k @ key_map[..., :r]
+        self.key_query_map = query_map.to(self.device)  # maps queries; k̂ = c @ key_query_map[..., :r]ᵀ
+        self.value_map = f.value_basis.to(self.device)  # orthonormal: c = v @ value_map[..., :r]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -341,7 +342,9 @@ class TaleLayer(CacheLayerMixin):
             pos = self.tier_positions(t).unsqueeze(-1)
             ck, cv = quant.dequantize(self.tier_k[t]), quant.dequantize(self.tier_v[t])
             keys.scatter_(
-                2, pos.expand(*pos.shape[:-1], d), ck @ self.key_map[..., : ck.shape[-1]].transpose(-1, -2)
+                2,
+                pos.expand(*pos.shape[:-1], d),
+                ck @ self.key_query_map[..., : ck.shape[-1]].transpose(-1, -2),
             )
             values.scatter_(
                 2, pos.expand(*pos.shape[:-1], d), cv @ self.value_map[..., : cv.shape[-1]].transpose(-1, -2)

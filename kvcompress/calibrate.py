@@ -2,9 +2,13 @@
 
 The K/V that matter are exactly what the model hands to ``cache.update`` — post-RoPE keys and values, for
 the layers that own KV — so calibration runs the model with a recording cache (``MomentLayer``) and
-accumulates each layer's per-head second moments ``Σ k kᵀ`` and ``Σ v vᵀ`` in float64.  No model code is
-patched or imported, so the same function calibrates a base model or a SwiftKV model (only the AcrossKV
-group leaders call ``update``, so only they get factors).
+accumulates each layer's per-head second moments ``Σ k kᵀ`` and ``Σ v vᵀ`` in float64.  The queries that
+read those keys are what attention is handed, so a recording attention function (registered with
+transformers' ``AttentionInterface``, sdpa inside) adds ``Σ q qᵀ`` per KV head (the query heads of its group
+summed) under the layer that owns the keys, for a second key basis fitted in the queries' metric
+(``kvcompress.factors``).  No model code is patched or imported, so the same function calibrates a base model
+or a SwiftKV model (only the AcrossKV group leaders call ``update``, so only they get factors, and the queries
+of every layer that reads a leader's cache count for it).
 
 Why activations rather than an SVD of ``W_k``/``W_v``: keys are needed post-RoPE (see
 ``kvcompress.factors``), which a weight SVD cannot describe, and for values the activation PCA is the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -41,6 +46,7 @@ from .factors import (
     key_fingerprint,
     model_signature,
     save_factors,
+    scored_bases,
 )
 from .policy import Policy, scales_pair
 
@@ -66,11 +72,35 @@ class MomentLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+MOMENT_ATTENTION = "kvcompress-moments"
+MIN_QUERIES_PER_DIM = 16  # fewer query vectors than this times head_dim: no scored key basis
+_recording: ContextVar[dict[int, list] | None] = ContextVar("kvcompress_query_moments", default=None)
+
+
+def _moment_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa attention that adds ``Σ q qᵀ`` per KV head to the recording ``accumulate`` opened, under the layer
+    whose cache holds the keys (a SwiftKV config maps each layer to its KV group's leader)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    record = _recording.get()
+    if record is not None:
+        b, hq, n, d = query.shape
+        kv_heads = key.shape[1]
+        q = query.detach().double().reshape(b, kv_heads, hq // kv_heads, n, d)
+        owner = getattr(module.config, "kv_cache_layer", lambda i: i)(module.layer_idx)
+        entry = record.setdefault(owner, [0.0, 0])
+        entry[0] = entry[0] + torch.einsum("bhgnd,bhgne->hde", q, q)
+        entry[1] += b * (hq // kv_heads) * n
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 class Moments:
-    """Running second moments per layer, summed over calibration sequences (serializable for resume)."""
+    """Running second moments per layer, summed over calibration sequences (serializable for resume):
+    ``layers[i] = [Σ k kᵀ, Σ v vᵀ, tokens]``, ``queries[i] = [Σ q qᵀ, query vectors]``."""
 
     def __init__(self):
         self.layers: dict[int, list] = {}
+        self.queries: dict[int, list] = {}
 
     def save(self, path: Path, header: dict) -> None:
         """Write the moments as safetensors with ``header`` and the token counts as JSON metadata (atomic)."""
@@ -79,9 +109,16 @@ class Moments:
             for idx, (km, vm, _) in self.layers.items()
             for kind, m in (("k", km), ("v", vm))
         }
+        tensors |= {f"{idx}.q": qm for idx, (qm, _) in self.queries.items()}
         counts = {str(idx): n for idx, (_, _, n) in self.layers.items()}
+        query_counts = {str(idx): n for idx, (_, n) in self.queries.items()}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(tensors, tmp, metadata={"header": json.dumps(header), "counts": json.dumps(counts)})
+        metadata = {
+            "header": json.dumps(header),
+            "counts": json.dumps(counts),
+            "queries": json.dumps(query_counts),
+        }
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
 
     @classmethod
@@ -96,6 +133,9 @@ class Moments:
                 moments = cls()
                 moments.layers = {
                     int(i): [f.get_tensor(f"{i}.k"), f.get_tensor(f"{i}.v"), n] for i, n in counts.items()
+                }
+                moments.queries = {
+                    int(i): [f.get_tensor(f"{i}.q"), n] for i, n in json.loads(meta["queries"]).items()
                 }
         except (SafetensorError, KeyError, ValueError, OSError):
             return None
@@ -117,7 +157,11 @@ class Moments:
         for idx, (km, vm, n) in sorted(self.layers.items()):
             kb, ks = bases_from_moments(km / n)
             vb, vs = bases_from_moments(vm / n)
-            layers[idx] = LayerFactors(kb, ks, vb, vs)
+            qm, queries = self.queries.get(idx, (None, 0))
+            scored = (None, None)
+            if queries >= MIN_QUERIES_PER_DIM * km.shape[-1]:
+                scored = scored_bases(km / n, qm / queries)
+            layers[idx] = LayerFactors(kb, ks, vb, vs, *scored)
         return Factors(layers, meta)
 
 
@@ -129,14 +173,27 @@ def accumulate(
     skip: int = 0,
 ) -> Moments:
     """Run ``model`` over token sequences ``(1, n)`` and add their KV second moments to ``moments``,
-    leaving out the first ``skip`` positions of each (the attention sinks)."""
+    leaving out the first ``skip`` positions of each (the attention sinks), and the second moments of every
+    query that reads them (``_moment_attention``; the model's attention is restored after)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     moments = moments or Moments()
     device = next(model.parameters()).device
     layer = type("SkippingMomentLayer", (MomentLayer,), {"skip": skip}) if skip else MomentLayer
-    for ids in sequences:
-        cache = Cache(layer_class_to_replicate=layer)
-        model(input_ids=ids.to(device), cache=cache, use_cache=True)
-        moments.add(cache)
+    AttentionInterface.register(MOMENT_ATTENTION, _moment_attention)
+    AttentionMaskInterface.register(MOMENT_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(MOMENT_ATTENTION)
+    token = _recording.set(moments.queries)
+    try:
+        for ids in sequences:
+            cache = Cache(layer_class_to_replicate=layer)
+            model(input_ids=ids.to(device), cache=cache, use_cache=True)
+            moments.add(cache)
+    finally:
+        _recording.reset(token)
+        model.set_attn_implementation(previous)
     return moments
 
 

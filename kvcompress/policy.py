@@ -41,7 +41,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .defaults import BLOCK, SINKS, WINDOW
-from .quant import ALLOWED_BITS, bytes_per_vector, check_bits
+from .quant import ALLOWED_BITS, INT_BITS, bytes_per_vector, check_bits
 
 Scales = Literal["token", "channel"]
 
@@ -154,6 +154,12 @@ class Policy(BaseModel):
         bounds = [0] + [round(n * f) for f in itertools.accumulate(t.fraction for t in self.tiers)]
         bounds[-1] = n
         return [bounds[i + 1] - bounds[i] for i in range(len(self.tiers))]
+
+    @property
+    def per_token_keys(self) -> bool:
+        """Whether a tier quantizes keys to integers with per-token scales (the cache then keeps the PCA key
+        basis, not the one fitted to the queries: ``kvcompress.factors``)."""
+        return any(t.k_scales == "token" and t.bits in INT_BITS for t in self.tiers)
 
     def token_group_of(self, scales: Scales) -> int | None:
         """The ``token_group`` a ``quantize`` call takes for ``scales`` (None: per-token scales)."""

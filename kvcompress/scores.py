@@ -69,7 +69,7 @@ def column_probs(layer: TaleLayer, query: torch.Tensor, allowed: torch.Tensor | 
         s, c = layer.n_sinks, layer.n_compressed
         comp_allowed = None if allowed is None else allowed[..., s : s + c]
         needs_mask = comp_allowed is not None and not bool(comp_allowed.all())
-        q_basis = qf @ layer.key_map  # (b, h, g*q, d): queries in the key basis
+        q_basis = qf @ layer.key_query_map  # (b, h, g*q, d): queries in the key basis
         for t in stored:
             n = len(layer.tier_k[t])
             kernels.tier_scores(q_basis, layer.tier_k[t], scores, offset)

@@ -170,3 +170,88 @@ def test_calibrating_at_the_served_length_keeps_late_positions():
         for name, moments in (("short", short), ("served", served))
     }
     assert errors["served"] < 0.7 * errors["short"], errors
+
+
+def test_query_moments_are_the_post_rope_queries_of_each_kv_group(tiny_dir):
+    """``accumulate`` adds ``Σ q qᵀ`` of every query attention reads, per KV head (its group's query heads
+    summed), under the layer that owns the keys: the same as queries rebuilt from the layers' inputs with
+    transformers' own RoPE; and the model's attention is restored afterwards."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager").eval()
+    seqs = [
+        torch.randint(1, len(WORDS), (1, n), generator=torch.Generator().manual_seed(n)) for n in (24, 30)
+    ]
+    moments = calibrate_mod.accumulate(model, seqs, skip=4)
+    assert model.config._attn_implementation == "eager"
+    cfg = model.config
+    group, d = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    for idx, layer in enumerate(model.model.layers):
+        want = 0
+        for ids in seqs:
+            with torch.no_grad():
+                hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[idx]
+                x = layer.input_layernorm(hidden)
+                q = layer.self_attn.q_proj(x).view(1, ids.shape[1], -1, d).transpose(1, 2)
+                cos, sin = model.model.rotary_emb(x, torch.arange(ids.shape[1])[None])
+                q = apply_rotary_pos_emb(q, q, cos, sin)[0].double()
+            q = q.reshape(1, cfg.num_key_value_heads, group, ids.shape[1], d)
+            want = want + torch.einsum("bhgnd,bhgne->hde", q, q)
+        got, count = moments.queries[idx]
+        assert count == group * (24 + 30)  # every query row, sinks included: they read compressed keys too
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_scored_bases_are_exact_at_full_rank_and_beat_pca_on_the_scores():
+    """The scored key basis and its query map give ``q·k`` exactly at full rank, equal the PCA basis for
+    isotropic queries, and at lower rank lose less of the scores than PCA when the queries favour directions the
+    keys hold little energy in."""
+    from kvcompress.factors import bases_from_moments, scored_bases
+
+    gen = torch.Generator().manual_seed(0)
+    d, n = 16, 4000
+    keys = torch.randn(n, d, generator=gen, dtype=torch.float64) * torch.linspace(
+        3, 0.3, d, dtype=torch.float64
+    )
+    queries = torch.randn(n, d, generator=gen, dtype=torch.float64) * torch.linspace(
+        0.2, 4, d, dtype=torch.float64
+    )
+    km, qm = (keys.T @ keys / n)[None], (queries.T @ queries / n)[None]
+    enc, dec = (b[0].double() for b in scored_bases(km, qm))
+    scores = queries @ keys.T
+    torch.testing.assert_close((queries @ dec) @ (keys @ enc).T, scores, rtol=1e-4, atol=1e-4)
+    pca = bases_from_moments(km)[0][0].double()
+    iso_enc, iso_dec = (b[0].double() for b in scored_bases(km, torch.eye(d, dtype=torch.float64)[None]))
+    torch.testing.assert_close(iso_enc.abs(), pca.abs(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(iso_dec.abs(), pca.abs(), rtol=0, atol=1e-4)
+
+    def score_error(e: torch.Tensor, q: torch.Tensor, r: int) -> float:
+        approx = (queries @ q[:, :r]) @ (keys @ e[:, :r]).T
+        return float((approx - scores).square().sum() / scores.square().sum())
+
+    for r in (4, 8):
+        assert score_error(enc, dec, r) < 0.7 * score_error(pca, pca, r), r
+
+
+def test_the_cache_keeps_pca_keys_where_keys_are_quantized_per_token():
+    """Per-channel key scales (and unquantized keys) use the scored basis; a tier with per-token integer key
+    scales makes the cache fall back to the orthonormal PCA basis for keys."""
+    from helpers.tale import HEAD_DIM, tiny_model_and_factors
+
+    from kvcompress import Policy, TaleCache, Tier
+
+    model, factors = tiny_model_and_factors()
+    layer0 = factors.layers[0]
+    assert layer0.scored_key_basis is not None
+    ids = torch.randint(0, 96, (1, 30))
+    for k_scales, bits, scored in (("channel", 4, True), ("token", None, True), ("token", 4, False)):
+        tier = Tier(k_rank=HEAD_DIM, v_rank=HEAD_DIM, bits=bits, fraction=1.0, k_scales=k_scales)
+        cache = TaleCache(
+            factors, Policy(sinks=2, window=4, block=4, tiers=[tier]), model.config, model=model
+        )
+        with torch.no_grad():
+            model(ids, cache=cache)
+        want = (layer0.scored_key_basis, layer0.scored_query_basis) if scored else (layer0.key_basis,) * 2
+        assert torch.equal(cache.layers[0].key_map, want[0]) and torch.equal(
+            cache.layers[0].key_query_map, want[1]
+        )

@@ -178,7 +178,7 @@ def _all_tensors(obj, seen=None) -> list[torch.Tensor]:
     out = []
     items = vars(obj).items() if hasattr(obj, "__dict__") else []
     for name, value in items:
-        if name in ("factors", "policy", "key_map", "value_map"):
+        if name in ("factors", "policy", "key_map", "key_query_map", "value_map"):
             continue
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, torch.Tensor):
