@@ -90,7 +90,7 @@ class TaleLayer(CacheLayerMixin):
         self.cnt = torch.zeros(b, 0, device=self.device)
         self.tier_ids = torch.zeros(b, h, 0, dtype=torch.uint8, device=self.device)
         f = self.factors
-        scored = f.scored_key_basis is not None and not self.policy.per_token_keys
+        scored = f.scored_key_basis is not None and self.policy.uses_scored_keys
         key_map, query_map = (f.scored_key_basis, f.scored_query_basis) if scored else (f.key_basis,) * 2
         self.key_map = key_map.to(self.device)  # (h, d, d): coefficients c = k @ key_map[..., :r]
         self.key_query_map = query_map.to(self.device)  # maps queries; k̂ = c @ key_query_map[..., :r]ᵀ

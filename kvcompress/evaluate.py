@@ -14,6 +14,8 @@ Methods are named by short specs so the benchmark's table is reproducible from i
 - both take a scales suffix ``:KV[:G]``, one letter for keys and one for values, ``t`` per-token scales and
   ``c`` per-channel scales over groups of ``G`` tokens (default 64), e.g. ``tale:0.25:4-2-2:ct``, and an
   optional rank-group size for per-token scales as ``:KV:G:RG`` (default: the whole vector);
+- TALE-family specs take a last ``:pca``: keys in the PCA basis even where the factors have one fitted to
+  the queries (``Policy.scored_keys``), e.g. ``tale:0.5:4-2-2:cc:pca``;
 - ``lowrank:R:BITS``: one tier of rank ``R`` for every compressed token (uniform low rank; BITS 16 = fp16);
 - ``quant:BITS``: identity basis, i.e. plain per-token quantization of K/V (uniform quantization);
 - ``kivi:BITS[:R[:G]]``: KIVI (Liu et al. 2024) on the same cache: identity basis, keys per channel over
@@ -49,6 +51,8 @@ def make_method(
     from transformers import DynamicCache, QuantizedCache
 
     name, *args = spec.split(":")
+    pca_keys = args[-1:] == ["pca"]
+    args = args[: len(args) - pca_keys]
     head_dim = factors.meta["head_dim"]
     shared = {"sinks": sinks, "window": window, "block": block}
     if name == "full":
@@ -85,6 +89,7 @@ def make_method(
             f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS, "
             "kivi:BITS or hf-fp8"
         )
+    policy = policy.model_copy(update={"scored_keys": not pca_keys})
     return lambda: TaleCache(factors, policy, model.config, model=model)
 
 

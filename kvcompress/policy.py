@@ -84,6 +84,11 @@ class Policy(BaseModel):
     token_group: int = Field(
         64, ge=1, description="tokens of a tier that share one scale/zero per channel (channel scales)"
     )
+    scored_keys: bool = Field(
+        True,
+        description="key coefficients in the factors' basis fitted to the queries where they have one and no tier "
+        "quantizes keys per token (kvcompress.factors); False: always the PCA basis of the keys",
+    )
     tiers: list[Tier] = Field(min_length=1, description="most significant first")
 
     @model_validator(mode="after")
@@ -156,10 +161,10 @@ class Policy(BaseModel):
         return [bounds[i + 1] - bounds[i] for i in range(len(self.tiers))]
 
     @property
-    def per_token_keys(self) -> bool:
-        """Whether a tier quantizes keys to integers with per-token scales (the cache then keeps the PCA key
-        basis, not the one fitted to the queries: ``kvcompress.factors``)."""
-        return any(t.k_scales == "token" and t.bits in INT_BITS for t in self.tiers)
+    def uses_scored_keys(self) -> bool:
+        """Whether keys go into the factors' basis fitted to the queries (where they have one): asked for, and
+        no tier quantizes keys to integers with per-token scales (``kvcompress.factors`` says why)."""
+        return self.scored_keys and not any(t.k_scales == "token" and t.bits in INT_BITS for t in self.tiers)
 
     def token_group_of(self, scales: Scales) -> int | None:
         """The ``token_group`` a ``quantize`` call takes for ``scales`` (None: per-token scales)."""

@@ -235,7 +235,7 @@ def test_scored_bases_are_exact_at_full_rank_and_beat_pca_on_the_scores():
 
 def test_the_cache_keeps_pca_keys_where_keys_are_quantized_per_token():
     """Per-channel key scales (and unquantized keys) use the scored basis; a tier with per-token integer key
-    scales makes the cache fall back to the orthonormal PCA basis for keys."""
+    scales, or ``scored_keys=False``, makes the cache use the orthonormal PCA basis for keys."""
     from helpers.tale import HEAD_DIM, tiny_model_and_factors
 
     from kvcompress import Policy, TaleCache, Tier
@@ -244,14 +244,18 @@ def test_the_cache_keeps_pca_keys_where_keys_are_quantized_per_token():
     layer0 = factors.layers[0]
     assert layer0.scored_key_basis is not None
     ids = torch.randint(0, 96, (1, 30))
-    for k_scales, bits, scored in (("channel", 4, True), ("token", None, True), ("token", 4, False)):
+    cases = [("channel", 4, True, True), ("token", None, True, True), ("token", 4, True, False)]
+    for k_scales, bits, asked, scored in [*cases, ("channel", 4, False, False)]:
         tier = Tier(k_rank=HEAD_DIM, v_rank=HEAD_DIM, bits=bits, fraction=1.0, k_scales=k_scales)
-        cache = TaleCache(
-            factors, Policy(sinks=2, window=4, block=4, tiers=[tier]), model.config, model=model
-        )
+        policy = Policy(sinks=2, window=4, block=4, scored_keys=asked, tiers=[tier])
+        cache = TaleCache(factors, policy, model.config, model=model)
         with torch.no_grad():
             model(ids, cache=cache)
         want = (layer0.scored_key_basis, layer0.scored_query_basis) if scored else (layer0.key_basis,) * 2
         assert torch.equal(cache.layers[0].key_map, want[0]) and torch.equal(
             cache.layers[0].key_query_map, want[1]
         )
+    from kvcompress.evaluate import make_method
+
+    for spec, scored in (("tale:0.5:4-2-2:cc", True), ("tale:0.5:4-2-2:cc:pca", False)):
+        assert make_method(spec, model, factors)().policy.uses_scored_keys is scored
