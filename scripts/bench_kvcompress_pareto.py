@@ -204,6 +204,20 @@ def bootstrap_interval(records: list[dict], method: str, reference: str, draws: 
     return deltas[int(0.025 * draws)], deltas[min(draws - 1, int(0.975 * draws))]
 
 
+def versus_pca_keys(rows: dict[str, dict], records: list[dict], draws: int) -> dict[str, dict]:
+    """Every method measured also as ``METHOD:pca`` (the same factors, keys in the PCA basis): its perplexity
+    change against that variant and the paired 95% interval, i.e. what the key basis fitted to the queries
+    gains on these sequences."""
+    return {
+        m: {
+            "ppl_change_pct": 100 * (rows[m]["ppl"] / rows[f"{m}:pca"]["ppl"] - 1),
+            "ci": bootstrap_interval(records, m, f"{m}:pca", draws),
+        }
+        for m in rows
+        if f"{m}:pca" in rows
+    }
+
+
 def plot(rows: dict[str, dict], front: set[str], title: str, path: Path) -> None:
     import matplotlib
 
@@ -334,6 +348,7 @@ def pareto(args) -> str:
         for m, r in rows.items():
             r["ppl_increase_ci"] = bootstrap_interval(held, m, methods[0], args.bootstrap)
         front, line = pareto_front(rows), verdict(rows)
+        versus_pca = versus_pca_keys(rows, held, args.bootstrap)
         header = (
             f"{Path(args.model).name}, {args.dtype}; factors from {provenance.get('samples')} x "
             f"{provenance.get('max_length')} train-split tokens; {described[name]} of {args.prefix} + "
@@ -344,8 +359,14 @@ def pareto(args) -> str:
         report[name] = {
             "rows": {m: {**r, "tiers": policies[m], "pareto": m in front} for m, r in rows.items()},
             "verdict": line,
+            "versus_pca_keys": versus_pca,
         }
         tables.append(markdown(rows, policies, front, f"### {name}\n\n{header}", line))
+        tables += [
+            f"`{m}` against the PCA key basis (`{m}:pca`), paired: perplexity {d['ppl_change_pct']:+.2f}% "
+            f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]\n"
+            for m, d in versus_pca.items()
+        ]
         if name == "sharegpt":
             plot(rows, front, header, out.with_suffix(".png"))
     write_json_atomic(
