@@ -20,9 +20,10 @@ Design choices (see also ``kvcompress.calibrate``):
   (``scored_query_basis``, also the reconstruction ``k̂ = c @ scored_query_basisᵀ``), so ``q·k ≈ (Wᵀ S⁻¹ q)·c``,
   exact at full rank, and truncating or quantizing ``c`` costs each score the same in expectation over
   queries.  On SmolLM2 it cuts the score error of a truncation to a half or a third at equal rank (rank 24,
-  layer 9, held-out text: 1.8% against 4.4% of the scores' energy), and the default policy's perplexity
-  increase at 4k tokens from +5.0% to +3.0% (docs/results/kvcompress.md).  The cache uses it unless a tier
-  quantizes keys with per-token scales: in the queries' metric a token's coefficients span orders of
+  layer 9, held-out text: 1.8% against 4.4% of the scores' energy); in perplexity at 4k tokens it gains about
+  one point (the default policy: +5.6% against +6.7% over the full cache on 16 ShareGPT sequences), in the
+  same direction on both text sets and both policies measured, each within its paired interval
+  (docs/results/kvcompress.md).  The cache uses it unless a tier quantizes keys with per-token scales: in the queries' metric a token's coefficients span orders of
   magnitude (the queries' mean direction dominates), so one range per token crushes all but the first
   (SmolLM2, 4-bit per-token tiers: perplexity ×2.4 against ×1.14 with the PCA basis).  Values keep plain
   PCA: weighting them by the output projection gained 5-10% of their error, not worth a second map.
