@@ -29,8 +29,11 @@ least significant tokens with per-token scales: uniform 2-bit per-token quantiza
 ppl).  With per-channel scales (``scales``, ``kvcompress.quant``) 2 bits carry most tiers: the calibration
 default ``--rank-budget 0.5 --bits 4,2,2 --scales cc`` (10% full rank at 4 bits, 30% rank 40/64 and 60%
 rank 24/32 at 2 bits) is the TALE point of least perplexity increase on the 2026-12-06 sweep over 16 ShareGPT and 8
-documentation sequences (docs/results/kvcompress.md); rank, not bits, limits it: 4-bit tiers at lower rank and the
-same memory did worse.
+documentation sequences (docs/results/kvcompress.md), and still is with key bases fitted to the queries
+(2026-12-07).  Rank, not bits, limits it, and it is the keys' rank: 4-bit tiers at lower rank and the same memory
+did worse, and with the keys stored exact the default's loss on 4 sequences vanished (+2.9% -> -0.2%) while exact
+values changed nothing (+3.5%).  Key-heavy tiers (value ranks half the key ranks) moved the ShareGPT front a
+little at 8.2-8.6x and lost on the documentation text, so value ranks stay 1.5x key ranks.
 """
 
 from __future__ import annotations
