@@ -23,9 +23,10 @@ Design choices (see also ``kvcompress.calibrate``):
   layer 9, held-out text: 1.8% against 4.4% of the scores' energy); in perplexity at 4k tokens it gains about
   one point (the default policy: +5.6% against +6.7% over the full cache on 16 ShareGPT sequences), in the
   same direction on both text sets and both policies measured, each within its paired interval
-  (docs/results/kvcompress.md).  The cache uses it unless a tier quantizes keys with per-token scales: in the queries' metric a token's coefficients span orders of
-  magnitude (the queries' mean direction dominates), so one range per token crushes all but the first
-  (SmolLM2, 4-bit per-token tiers: perplexity ×2.4 against ×1.14 with the PCA basis).  Values keep plain
+  (docs/results/kvcompress.md).  The cache uses it unless a tier quantizes keys with per-token scales: in
+  the queries' metric a token's coefficients span orders of magnitude (the queries' mean direction
+  dominates), so one range per token crushes all but the first (SmolLM2, 4-bit per-token tiers: perplexity
+  ×2.4 against ×1.14 with the PCA basis).  Values keep plain
   PCA: weighting them by the output projection gained 5-10% of their error, not worth a second map.
 - **Coefficients are not whitened**: ``c = Uᵀk`` in the orthonormal basis, so a quantization error of
   the coefficients is the same error on ``k`` (whitening by each component's RMS was measured worse:
@@ -175,7 +176,7 @@ def load_factors(factors_dir: str | os.PathLike) -> Factors:
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") not in (1, FORMAT_VERSION):
         raise ValueError(
-            f"{meta_path} has format_version {meta.get('format_version')}, this kvcompress reads {FORMAT_VERSION}; "
+            f"{meta_path} has format_version {meta.get('format_version')}, this kvcompress reads 1 to {FORMAT_VERSION}; "
             "to resolve, re-run `swiftkv kvcompress calibrate`"
         )
     tensors = load_file(str(tensor_path))

@@ -259,3 +259,30 @@ def test_the_cache_keeps_pca_keys_where_keys_are_quantized_per_token():
 
     for spec, scored in (("tale:0.5:4-2-2:cc", True), ("tale:0.5:4-2-2:cc:pca", False)):
         assert make_method(spec, model, factors)().policy.uses_scored_keys is scored
+
+
+def test_factors_round_trip_with_and_without_the_scored_basis(tmp_path):
+    """Saved factors load back tensor for tensor (the scored bases included); a format-1 file (no scored bases)
+    still loads, without them; an unknown format version is refused in one line."""
+    from helpers.tale import tiny_model_and_factors
+
+    from kvcompress.factors import META_FILE, TENSORS, LayerFactors, load_factors, save_factors
+
+    _, factors = tiny_model_and_factors()
+    save_factors(factors, tmp_path)
+    loaded = load_factors(tmp_path)
+    for idx, layer in factors.layers.items():
+        for name in TENSORS:
+            assert torch.equal(getattr(loaded.layers[idx], name), getattr(layer, name)), name
+    plain = {
+        i: LayerFactors(lf.key_basis, lf.key_scale, lf.value_basis, lf.value_scale)
+        for i, lf in factors.layers.items()
+    }
+    (tmp_path / "v1").mkdir()
+    save_factors(type(factors)(plain, factors.meta), tmp_path / "v1")
+    meta_path = tmp_path / "v1" / META_FILE
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "format_version": 1}))
+    assert load_factors(tmp_path / "v1").layers[0].scored_key_basis is None
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version 99, this kvcompress reads 1 to 2; to resolve"):
+        load_factors(tmp_path / "v1")
