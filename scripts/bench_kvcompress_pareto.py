@@ -22,9 +22,9 @@ command fixes both:
    increase, paired over sequences, the Pareto-optimal rows and the verdict) and OUT.png (memory ratio
    against perplexity increase on ShareGPT, with the 9x and 3% target lines).
 
-Run time on the project's 2-core CPU, float32, 2 threads: calibration ~9 s a 4,096-token sequence; per
-sequence one ~20-30 s prefill, then ~15-20 s per TALE-family method (16 chunks over 4k tokens of tiers)
-and a few seconds each for full and fp8.
+Run time on the project's 2-core CPU, float32, 2 threads, idle (2026-12-07): calibration ~9 s a 4,096-token
+sequence; a 4,096 + 256-token sequence 16-18 s with the full cache and one TALE method, ~6 s more for each
+further TALE-family method (16 chunks over 4k tokens of tiers).
 
 examples:
   python scripts/bench_kvcompress_pareto.py MODEL --factors out/kv4k --out out/bench/kv_pareto
