@@ -40,6 +40,24 @@ def test_swiftkv_acrosskv_full_rank_matches_dynamic_cache():
     assert cache.layers[3].nbytes() == 0  # followers hold nothing: the group is compressed once
 
 
+def test_swiftkv_queries_count_for_the_kv_group_leader():
+    """Calibration adds every layer's queries to the layer whose cache it reads: an AcrossKV leader gets its
+    group's queries (two layers' worth), a plain layer its own, and a follower none."""
+    from kvcompress.calibrate import accumulate
+
+    torch.manual_seed(0)
+    model = to_swiftkv(tiny_base("llama"), 2, 2).eval()  # leaders 2 and 4, followers 3 and 5
+    moments = accumulate(model, [torch.randint(3, 128, (1, 48)) for _ in range(3)])
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    per_layer = 3 * 48 * group
+    assert {i: n for i, (_, n) in moments.queries.items()} == {
+        0: per_layer,
+        1: per_layer,
+        2: 2 * per_layer,
+        4: 2 * per_layer,
+    }
+
+
 @torch.no_grad()
 def test_swiftkv_exact_kv_full_rank_matches_dynamic_cache():
     """With exact K/V (exact_kv_window) every layer >= l stores its forward's SwiftKV and exact K/V in one
