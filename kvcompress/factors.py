@@ -22,7 +22,7 @@ Design choices (see also ``kvcompress.calibrate``):
   queries.  On SmolLM2 it cuts the score error of a truncation to a half or a third at equal rank (rank 24,
   layer 9, held-out text: 1.8% against 4.4% of the scores' energy); in perplexity at 4k tokens it gains about
   one point (the default policy: +5.6% against +6.7% over the full cache on 16 ShareGPT sequences), in the
-  same direction on both text sets and both policies measured, each within its paired interval
+  same direction on both text sets and both policies measured, though no single paired interval excludes zero
   (docs/results/kvcompress.md).  The cache uses it unless a tier quantizes keys with per-token scales: in
   the queries' metric a token's coefficients span orders of magnitude (the queries' mean direction
   dominates), so one range per token crushes all but the first (SmolLM2, 4-bit per-token tiers: perplexity
