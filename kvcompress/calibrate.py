@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .defaults import BITS, BLOCK, DATA, MAX_LENGTH, RANK_BUDGET, SAMPLES, SCALES, SINKS, WINDOW
 from .factors import (
@@ -80,8 +81,6 @@ _recording: ContextVar[dict[int, list] | None] = ContextVar("kvcompress_query_mo
 def _moment_attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa attention that adds ``Σ q qᵀ`` per KV head to the recording ``accumulate`` opened, under the layer
     whose cache holds the keys (a SwiftKV config maps each layer to its KV group's leader)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     record = _recording.get()
     if record is not None:
         b, hq, n, d = query.shape

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -49,7 +49,6 @@ import torch
 FACTORS_FILE = "factors.safetensors"
 META_FILE = "factors.json"
 POLICY_FILE = "policy.json"
-TENSORS = ("key_basis", "key_scale", "value_basis", "value_scale", "scored_key_basis", "scored_query_basis")
 FORMAT_VERSION = 2  # 2: the scored key bases (optional; version 1 files, without them, are still read)
 
 
@@ -65,6 +64,9 @@ class LayerFactors:
     value_scale: torch.Tensor
     scored_key_basis: torch.Tensor | None = None
     scored_query_basis: torch.Tensor | None = None
+
+
+TENSORS = tuple(f.name for f in fields(LayerFactors))  # what a factors file holds per layer (absent: None)
 
 
 @dataclass
@@ -181,6 +183,6 @@ def load_factors(factors_dir: str | os.PathLike) -> Factors:
         )
     tensors = load_file(str(tensor_path))
     layers = {
-        idx: LayerFactors(*(tensors.get(f"layers.{idx}.{n}") for n in TENSORS)) for idx in meta["layers"]
+        idx: LayerFactors(**{n: tensors.get(f"layers.{idx}.{n}") for n in TENSORS}) for idx in meta["layers"]
     }
     return Factors(layers, meta)
