@@ -303,13 +303,14 @@ class TaleLayer(CacheLayerMixin):
         tier_id = torch.bucketize(rank, bounds, right=True).to(torch.uint8)
         keys, values = self.exact_k[..., start:stop, :], self.exact_v[..., start:stop, :]
         per_block = self.policy.tier_counts(self.policy.block)
+        k_ranks = self.policy.key_ranks(self.layer_idx)
         for t, (tier, count) in enumerate(zip(self.policy.tiers, counts, strict=True)):
             if count == 0:
                 continue
             idx = torch.argsort((tier_id != t).to(torch.uint8), dim=-1, stable=True)[..., :count]
             reserve = RESERVED_BLOCKS * per_block[t]
             self.tier_k[t] = self._append(
-                self.tier_k[t], keys, idx, self.key_map, tier.k_rank, tier.bits, tier.k_scales, reserve
+                self.tier_k[t], keys, idx, self.key_map, k_ranks[t], tier.bits, tier.k_scales, reserve
             )
             self.tier_v[t] = self._append(
                 self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits, tier.v_scales, reserve

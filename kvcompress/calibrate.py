@@ -38,7 +38,19 @@ from safetensors.torch import save_file
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .defaults import BITS, BLOCK, DATA, MAX_LENGTH, RANK_BUDGET, SAMPLES, SCALES, SINKS, WINDOW
+from .defaults import (
+    BITS,
+    BLOCK,
+    DATA,
+    MAX_LENGTH,
+    RANK_BUDGET,
+    SAMPLES,
+    SCALES,
+    SENSITIVITY_SAMPLES,
+    SENSITIVITY_TOKENS,
+    SINKS,
+    WINDOW,
+)
 from .factors import (
     POLICY_FILE,
     Factors,
@@ -251,23 +263,28 @@ def calibrate(
     sinks: int = SINKS,
     window: int = WINDOW,
     block: int = BLOCK,
+    sensitivity_samples: int = SENSITIVITY_SAMPLES,
     force: bool = False,
     checkpoint_every: int = 32,
     progress: bool = True,
 ) -> Path:
     """Calibrate low-rank KV factors for ``model_dir`` and write them (with a default policy) to ``out_dir``.
 
-    ``samples`` sequences of ``max_length`` tokens: set ``max_length`` to the context length you serve."""
+    ``samples`` sequences of ``max_length`` tokens: set ``max_length`` to the context length you serve.  On the
+    first ``sensitivity_samples`` (at most ``samples``) of them each layer's cost of key truncation is measured and the default
+    policy's key ranks are moved between layers by it (``kvcompress.allocate``; 0: the same ranks everywhere)."""
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.artifacts import atomic_output_dir, check_destination, write_json_atomic, write_provenance
     from toolkit.assets import resolve_data_path
 
-    if samples < 1 or max_length < 2:
+    if samples < 1 or max_length < 2 or sensitivity_samples < 0:
         raise ValueError(
-            f"samples={samples}, max_length={max_length}; to resolve, pass samples >= 1 and max_length >= 2"
+            f"samples={samples}, max_length={max_length}, sensitivity_samples={sensitivity_samples}; to resolve, "
+            "pass samples >= 1, max_length >= 2 and sensitivity_samples >= 0"
         )
+    sensitivity_samples = min(sensitivity_samples, samples)
     config = AutoConfig.from_pretrained(model_dir)
     policy = Policy.from_budget(
         rank_budget,
@@ -280,7 +297,13 @@ def calibrate(
     )
     check_destination(out_dir, force)
     resolve_data_path(data)
-    options = {"data": str(data), "samples": samples, "max_length": max_length, "sinks": sinks}
+    options = {
+        "data": str(data),
+        "samples": samples,
+        "max_length": max_length,
+        "sinks": sinks,
+        "sensitivity_samples": sensitivity_samples,
+    }
     partial = Path(out_dir).parent / f".{Path(out_dir).name}.calibrate-partial.safetensors"
     saved = Moments.load(partial)
     moments, done = Moments(), 0
@@ -308,6 +331,17 @@ def calibrate(
         "tokens": tokens,
     }
     factors = moments.factors(meta)
+    if sensitivity_samples:
+        from .allocate import SENSITIVITY_KEY, allocate_key_ranks
+
+        moments.save(partial, {"options": options, "done": done})  # a resumed run measures, not accumulates
+        sequences = chat_sequences(
+            tokenizer, max_length, sensitivity_samples, split="train", data=data, tail=True
+        )
+        factors.meta[SENSITIVITY_KEY] = measure_sensitivity(
+            model, factors, policy, sequences, partial.with_suffix(".json"), options, progress
+        )
+        policy = allocate_key_ranks(policy, factors, factors.meta[SENSITIVITY_KEY])
     with atomic_output_dir(out_dir, force) as tmp:
         save_factors(factors, tmp)
         write_json_atomic(tmp / POLICY_FILE, policy.model_dump())
@@ -321,4 +355,53 @@ def calibrate(
             **options,
         )
     partial.unlink(missing_ok=True)
+    partial.with_suffix(".json").unlink(missing_ok=True)
     return Path(out_dir)
+
+
+def measure_sensitivity(
+    model,
+    factors: Factors,
+    policy: Policy,
+    sequences: Iterable[torch.Tensor],
+    partial: Path,
+    options: dict,
+    progress: bool,
+) -> dict:
+    """``kvcompress.allocate.key_sensitivity`` on ``sequences``, resumable: the sums so far are written to
+    ``partial`` (JSON) after each sequence, and a run with the same ``options`` skips the sequences done."""
+    from tqdm.auto import tqdm
+
+    from toolkit.artifacts import write_json_atomic
+
+    from .allocate import key_sensitivity
+
+    state = {"options": options, "done": 0, "summed": {}, "tokens": 0}
+    if partial.is_file():
+        try:
+            saved = json.loads(partial.read_text())
+            if saved.get("options") == options:
+                state = saved
+        except (ValueError, OSError):
+            pass
+    sequences = list(sequences)
+    bar = tqdm(total=len(sequences), initial=state["done"], desc="key sensitivity", disable=not progress)
+
+    def done(summed: dict[int, float], tokens: int) -> None:
+        state.update(done=state["done"] + 1, summed={str(k): v for k, v in summed.items()}, tokens=tokens)
+        write_json_atomic(partial, state)
+        bar.update()
+
+    continuation = min([SENSITIVITY_TOKENS, *(ids.shape[1] // 4 for ids in sequences)])
+    result = key_sensitivity(
+        model,
+        factors,
+        policy,
+        sequences[state["done"] :],
+        continuation,
+        summed={int(k): v for k, v in state["summed"].items()},
+        tokens=state["tokens"],
+        done=done,
+    )
+    bar.close()
+    return result

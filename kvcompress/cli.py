@@ -69,12 +69,30 @@ def build_parser() -> ArgumentParser:
         default=D.BLOCK,
         help=f"compress once this many tokens left the window (default: {D.BLOCK})",
     )
+    cal.add_argument(
+        "--sensitivity-samples",
+        type=int,
+        default=D.SENSITIVITY_SAMPLES,
+        help="calibration sequences on which each layer's cost of key truncation is measured, to move key rank "
+        f"to the layers that need it at the same memory (0: the same ranks in every layer; default: {D.SENSITIVITY_SAMPLES})",
+    )
     add_force(cal)
     return parser
 
 
 # keyword options of calibrate(), named as on the command line
-OPTIONS = ("data", "max_length", "rank_budget", "bits", "scales", "sinks", "window", "block", "force")
+OPTIONS = (
+    "data",
+    "max_length",
+    "rank_budget",
+    "bits",
+    "scales",
+    "sinks",
+    "window",
+    "block",
+    "sensitivity_samples",
+    "force",
+)
 
 
 def _calibrate(args) -> str:

@@ -14,3 +14,5 @@ BLOCK = 32  # compress once this many tokens have left the window
 DATA = "sharegpt"  # calibration conversations
 SAMPLES = 64  # calibration sequences
 MAX_LENGTH = 2048  # tokens per calibration sequence: the context length served
+SENSITIVITY_SAMPLES = 4  # calibration sequences on which each layer's key truncation is measured (0: none)
+SENSITIVITY_TOKENS = 128  # continuation tokens of each (at most a quarter of the sequence)

@@ -14,8 +14,10 @@ Methods are named by short specs so the benchmark's table is reproducible from i
 - both take a scales suffix ``:KV[:G]``, one letter for keys and one for values, ``t`` per-token scales and
   ``c`` per-channel scales over groups of ``G`` tokens (default 64), e.g. ``tale:0.25:4-2-2:ct``, and an
   optional rank-group size for per-token scales as ``:KV:G:RG`` (default: the whole vector);
-- TALE-family specs take a last ``:pca``: keys in the PCA basis even where the factors have one fitted to
-  the queries (``Policy.scored_keys``), e.g. ``tale:0.5:4-2-2:cc:pca``;
+- TALE-family specs take trailing flags: ``:pca``, keys in the PCA basis even where the factors have one
+  fitted to the queries (``Policy.scored_keys``), e.g. ``tale:0.5:4-2-2:cc:pca``; ``:uniform``, the same key
+  ranks in every layer even where the factors carry a sensitivity measurement (by default the ranks are
+  moved between layers by it, ``kvcompress.allocate``);
 - ``lowrank:R:BITS``: one tier of rank ``R`` for every compressed token (uniform low rank; BITS 16 = fp16);
 - ``quant:BITS``: identity basis, i.e. plain per-token quantization of K/V (uniform quantization);
 - ``kivi:BITS[:R[:G]]``: KIVI (Liu et al. 2024) on the same cache: identity basis, keys per channel over
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .allocate import SENSITIVITY_KEY, allocate_key_ranks
 from .attention import enable_tale
 from .cache import OBSERVED_QUERIES, TaleCache
 from .calibrate import chat_sequences
@@ -51,8 +54,9 @@ def make_method(
     from transformers import DynamicCache, QuantizedCache
 
     name, *args = spec.split(":")
-    pca_keys = args[-1:] == ["pca"]
-    args = args[: len(args) - pca_keys]
+    flags = set()
+    while args and args[-1] in FLAGS:
+        flags.add(args.pop())
     head_dim = factors.meta["head_dim"]
     shared = {"sinks": sinks, "window": window, "block": block}
     if name == "full":
@@ -89,8 +93,13 @@ def make_method(
             f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS, "
             "kivi:BITS or hf-fp8"
         )
-    policy = policy.model_copy(update={"scored_keys": not pca_keys})
+    policy = policy.model_copy(update={"scored_keys": "pca" not in flags})
+    if SENSITIVITY_KEY in factors.meta and "uniform" not in flags:
+        policy = allocate_key_ranks(policy, factors, factors.meta[SENSITIVITY_KEY])
     return lambda: TaleCache(factors, policy, model.config, model=model)
+
+
+FLAGS = ("pca", "uniform")  # trailing flags of TALE-family specs (module docstring)
 
 
 def scales_options(args: list[str]) -> dict:

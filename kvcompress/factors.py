@@ -65,6 +65,16 @@ class LayerFactors:
     scored_key_basis: torch.Tensor | None = None
     scored_query_basis: torch.Tensor | None = None
 
+    def key_energy(self, scored: bool) -> torch.Tensor:
+        """``(heads, d)`` mean square of each key coefficient, in the basis fitted to the queries (``scored``,
+        where there is one: then a truncation's sum is the expected square score error) or the PCA basis."""
+        if not scored or self.scored_key_basis is None:
+            return self.key_scale.double() ** 2
+        basis, scale = self.key_basis.double(), self.key_scale.double()
+        moment = (basis * scale[:, None] ** 2) @ basis.transpose(-1, -2)
+        c = self.scored_key_basis.double()
+        return torch.einsum("hdi,hde,hei->hi", c, moment, c)
+
 
 TENSORS = tuple(f.name for f in fields(LayerFactors))  # what a factors file holds per layer (absent: None)
 

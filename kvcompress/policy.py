@@ -93,6 +93,11 @@ class Policy(BaseModel):
         "quantizes keys per token (kvcompress.factors); False: always the PCA basis of the keys",
     )
     tiers: list[Tier] = Field(min_length=1, description="most significant first")
+    layer_key_ranks: dict[int, list[int]] = Field(
+        default_factory=dict,
+        description="per layer index, the key rank of every tier, where it differs from the tiers' k_rank "
+        "(kvcompress.allocate moves rank between layers by measured sensitivity)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Policy:
@@ -102,6 +107,15 @@ class Policy(BaseModel):
         for t in self.tiers:
             check_bits(t.bits, t.k_rank, self.group_size)
             check_bits(t.bits, t.v_rank, self.group_size)
+        for layer, ranks in self.layer_key_ranks.items():
+            if len(ranks) != len(self.tiers):
+                raise ValueError(
+                    f"layer {layer} has {len(ranks)} key ranks for {len(self.tiers)} tiers; to resolve, give one per tier"
+                )
+            for t, r in zip(self.tiers, ranks, strict=True):
+                if r < 1:
+                    raise ValueError(f"layer {layer} has key rank {r}; to resolve, use ranks >= 1")
+                check_bits(t.bits, r, self.group_size)
         return self
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -111,6 +125,16 @@ class Policy(BaseModel):
                     f"tier {i} asks for rank {max(t.k_rank, t.v_rank)} but head_dim is {head_dim}; "
                     "to resolve, lower --rank-budget or the tier ranks"
                 )
+        for layer, ranks in self.layer_key_ranks.items():
+            if max(ranks) > head_dim:
+                raise ValueError(
+                    f"layer {layer} asks for key rank {max(ranks)} but head_dim is {head_dim}; "
+                    "to resolve, re-run the allocation for this model"
+                )
+
+    def key_ranks(self, layer: int) -> list[int]:
+        """Key rank of every tier in ``layer``."""
+        return self.layer_key_ranks.get(layer) or [t.k_rank for t in self.tiers]
 
     @classmethod
     def from_budget(
@@ -179,15 +203,17 @@ class Policy(BaseModel):
         n = len(self.tiers)
         return 0 if n == 1 else 2 if n <= 4 else 8
 
-    def compressed_bytes_per_token(self, float_bytes: int) -> float:
-        """Average bytes one compressed token costs per KV head: K + V coefficients, their scales (channel
-        scales amortized over full groups of ``token_group`` tokens) and its packed tier id."""
+    def compressed_bytes_per_token(self, float_bytes: int, layer: int | None = None) -> float:
+        """Average bytes one compressed token costs per KV head (in ``layer``, whose key ranks may differ):
+        K + V coefficients, their scales (channel scales amortized over full groups of ``token_group``
+        tokens) and its packed tier id."""
+        k_ranks = self.key_ranks(layer) if layer is not None else [t.k_rank for t in self.tiers]
         per = [
-            bytes_per_vector(t.k_rank, t.bits, self.group_size, float_bytes, self.token_group_of(t.k_scales))
+            bytes_per_vector(k, t.bits, self.group_size, float_bytes, self.token_group_of(t.k_scales))
             + bytes_per_vector(
                 t.v_rank, t.bits, self.group_size, float_bytes, self.token_group_of(t.v_scales)
             )
-            for t in self.tiers
+            for t, k in zip(self.tiers, k_ranks, strict=True)
         ]
         return sum(t.fraction * p for t, p in zip(self.tiers, per, strict=True)) + self.tier_id_bits / 8
 
@@ -195,7 +221,11 @@ class Policy(BaseModel):
         tiers = ", ".join(
             f"{t.fraction:.0%}@r{t.k_rank}/{t.v_rank}x{t.bits or 'f'}b{_scales_tag(t)}" for t in self.tiers
         )
-        return f"sinks={self.sinks} window={self.window} [{tiers}]"
+        by_layer = ""
+        if self.layer_key_ranks:
+            spans = zip(*self.layer_key_ranks.values(), strict=True)
+            by_layer = " key ranks by layer " + "/".join(f"{min(s)}-{max(s)}" for s in spans)
+        return f"sinks={self.sinks} window={self.window} [{tiers}]{by_layer}"
 
 
 SCALE_LETTERS = {"t": "token", "c": "channel"}
