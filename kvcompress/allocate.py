@@ -88,9 +88,10 @@ def key_sensitivity(
 
 
 def measurement(policy: Policy, summed: dict[int, float], tokens: int) -> dict:
-    """The stored form of a sensitivity measurement (JSON: layer indices as strings)."""
+    """The stored form of a sensitivity measurement (JSON: layer indices as strings; a KL that rounding made
+    negative counts as zero)."""
     return {
-        "kl": {str(layer): value / max(tokens, 1) for layer, value in summed.items()},
+        "kl": {str(layer): max(value, 0.0) / max(tokens, 1) for layer, value in summed.items()},  # rounding
         "ranks": [t.k_rank for t in policy.tiers],
         "fractions": [t.fraction for t in policy.tiers],
     }

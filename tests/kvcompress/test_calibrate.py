@@ -286,3 +286,42 @@ def test_factors_round_trip_with_and_without_the_scored_basis(tmp_path):
     meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "format_version": 99}))
     with pytest.raises(ValueError, match="format_version 99, this kvcompress reads 1 to 2; to resolve"):
         load_factors(tmp_path / "v1")
+
+
+def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, monkeypatch):
+    """The measurement lands in the factors' metadata and the policy is allocated from it; a crash after the
+    first sensitivity sequence resumes with the second, to the same numbers."""
+    import kvcompress.allocate as allocate_mod
+    from kvcompress.allocate import SENSITIVITY_KEY, allocate_key_ranks
+    from kvcompress.api import read_policy
+    from kvcompress.policy import Policy
+
+    opts = dict(
+        data=str(tiny_dir / "chats.jsonl"), samples=3, max_length=40, window=4, block=4, progress=False
+    )
+    calibrate_mod.calibrate(tiny_dir, tmp_path / "ref", **opts)
+    ref = load_factors(tmp_path / "ref")
+    measured = ref.meta[SENSITIVITY_KEY]
+    assert set(measured["kl"]) == {"0", "1"} and all(kl >= 0 for kl in measured["kl"].values())
+    default = Policy.from_budget(0.5, [4, 2, 2], 16, scales=("channel", "channel"), window=4, block=4)
+    assert read_policy(tmp_path / "ref") == allocate_key_ranks(default, ref, measured)
+
+    real, seen = allocate_mod.key_sensitivity, []
+
+    def crash_after_one(*args, done, **kwargs):
+        seen.append(len(args[3]))
+
+        def first_then_crash(summed, tokens):
+            done(summed, tokens)
+            raise RuntimeError("injected crash")
+
+        return real(*args, done=first_then_crash if len(seen) == 1 else done, **kwargs)
+
+    monkeypatch.setattr(allocate_mod, "key_sensitivity", crash_after_one)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", **opts)
+    assert not (tmp_path / "kv").exists()
+    calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", **opts)
+    assert seen == [3, 2] and not list(tmp_path.glob(".*partial*"))
+    got = load_factors(tmp_path / "kv").meta[SENSITIVITY_KEY]
+    assert got["kl"] == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
