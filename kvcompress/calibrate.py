@@ -22,6 +22,10 @@ post-RoPE keys rotate with position, and a basis fitted on short sequences misse
 out of the moments: the cache keeps attention sinks exact, and their outsized keys would otherwise tilt the
 bases.  Progress is checkpointed every ``checkpoint_every`` sequences next to the output (safetensors + JSON
 metadata, never a pickle), so an interrupted run resumes where it stopped.
+
+Last, each layer's cost of key truncation is measured on the first calibration sequences and stored with the
+factors, and the default policy's key ranks are moved between layers by it (``kvcompress.allocate``); that
+measurement resumes after the last finished sequence (a JSON file beside the moments).
 """
 
 from __future__ import annotations
@@ -270,9 +274,10 @@ def calibrate(
 ) -> Path:
     """Calibrate low-rank KV factors for ``model_dir`` and write them (with a default policy) to ``out_dir``.
 
-    ``samples`` sequences of ``max_length`` tokens: set ``max_length`` to the context length you serve.  On the
-    first ``sensitivity_samples`` (at most ``samples``) of them each layer's cost of key truncation is measured and the default
-    policy's key ranks are moved between layers by it (``kvcompress.allocate``; 0: the same ranks everywhere)."""
+    ``samples`` sequences of ``max_length`` tokens: set ``max_length`` to the context length you serve.  On
+    the first ``sensitivity_samples`` of them (at most ``samples``) each layer's cost of key truncation is
+    measured, and the default policy's key ranks are moved between layers by it (``kvcompress.allocate``;
+    0: the same ranks in every layer)."""
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -380,7 +385,7 @@ def measure_sensitivity(
     if partial.is_file():
         try:
             saved = json.loads(partial.read_text())
-            if saved.get("options") == options:
+            if isinstance(saved, dict) and saved.get("options") == options and saved.keys() >= state.keys():
                 state = saved
         except (ValueError, OSError):
             pass

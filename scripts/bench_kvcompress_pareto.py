@@ -47,6 +47,7 @@ import torch
 import swiftkv  # noqa: F401  (registers the SwiftKV model types, so a SwiftKV checkpoint loads)
 from kvcompress.cache import TaleCache
 from kvcompress.calibrate import calibrate, chat_sequences
+from kvcompress.defaults import SENSITIVITY_SAMPLES
 from kvcompress.evaluate import make_method, measure_sequence, summarize
 from kvcompress.factors import load_factors
 from toolkit.artifacts import read_provenance, save_figure, write_json_atomic, write_text_atomic
@@ -88,6 +89,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument(
         "--max-length", type=int, default=4096, help="tokens per calibration sequence: the served length"
     )
+    p.add_argument(
+        "--sensitivity-samples",
+        type=int,
+        default=SENSITIVITY_SAMPLES,
+        help="calibration sequences for the per-layer key sensitivity (kvcompress.allocate; 0: uniform ranks; "
+        f"default: {SENSITIVITY_SAMPLES})",
+    )
     p.add_argument("--methods", default=PARETO_METHODS, help="comma list, the reference (full) first")
     add_limit(p, 16, "held-out ShareGPT sequences")
     p.add_argument(
@@ -117,7 +125,12 @@ def build_parser() -> ArgumentParser:
 
 def calibrated(args) -> dict:
     """Calibrate into ``--factors`` unless it already holds a calibration with these settings; its provenance."""
-    settings = {"samples": args.calibration_limit, "max_length": args.max_length, "sinks": args.sinks}
+    settings = {
+        "samples": args.calibration_limit,
+        "max_length": args.max_length,
+        "sinks": args.sinks,
+        "sensitivity_samples": args.sensitivity_samples,
+    }
     if args.factors.is_dir() and any(args.factors.iterdir()):
         found = read_provenance(args.factors)
         held = {k: found.get(k) for k in [*settings, "data"]}
@@ -128,7 +141,12 @@ def calibrated(args) -> dict:
             )
         return found
     calibrate(
-        args.model, args.factors, samples=args.calibration_limit, max_length=args.max_length, sinks=args.sinks
+        args.model,
+        args.factors,
+        samples=args.calibration_limit,
+        max_length=args.max_length,
+        sinks=args.sinks,
+        sensitivity_samples=args.sensitivity_samples,
     )
     return read_provenance(args.factors)
 
@@ -204,17 +222,22 @@ def bootstrap_interval(records: list[dict], method: str, reference: str, draws: 
     return deltas[int(0.025 * draws)], deltas[min(draws - 1, int(0.975 * draws))]
 
 
-def versus_pca_keys(rows: dict[str, dict], records: list[dict], draws: int) -> dict[str, dict]:
-    """Every method measured also as ``METHOD:pca`` (the same factors, keys in the PCA basis): its perplexity
-    change against that variant and the paired 95% interval, i.e. what the key basis fitted to the queries
-    gains on these sequences."""
+VARIANTS = {"pca": "the PCA key basis", "uniform": "the same key ranks in every layer"}
+
+
+def versus_variants(rows: dict[str, dict], records: list[dict], draws: int) -> dict[str, dict]:
+    """Every method measured also as ``METHOD:pca`` (keys in the PCA basis) or ``METHOD:uniform`` (the same
+    key ranks in every layer), on the same factors: its perplexity change against that variant and the paired
+    95% interval, i.e. what the key basis fitted to the queries, or the key ranks moved between layers by
+    sensitivity, gain on these sequences.  Keyed by the variant's name."""
     return {
-        m: {
-            "ppl_change_pct": 100 * (rows[m]["ppl"] / rows[f"{m}:pca"]["ppl"] - 1),
-            "ci": bootstrap_interval(records, m, f"{m}:pca", draws),
+        f"{m}:{flag}": {
+            "ppl_change_pct": 100 * (rows[m]["ppl"] / rows[f"{m}:{flag}"]["ppl"] - 1),
+            "ci": bootstrap_interval(records, m, f"{m}:{flag}", draws),
         }
         for m in rows
-        if f"{m}:pca" in rows
+        for flag in VARIANTS
+        if f"{m}:{flag}" in rows
     }
 
 
@@ -328,7 +351,9 @@ def pareto(args) -> str:
     for m in methods:
         cache = make_method(m, model, factors, args.sinks, args.window)()
         policies[m] = (
-            cache.policy.describe().split(" [", 1)[-1].rsplit("]", 1)[0]
+            "".join(
+                cache.policy.describe().split(" [", 1)[-1].rsplit("]", 1)
+            )  # the tiers, any key ranks by layer
             if isinstance(cache, TaleCache)
             else ""
         )
@@ -348,7 +373,7 @@ def pareto(args) -> str:
         for m, r in rows.items():
             r["ppl_increase_ci"] = bootstrap_interval(held, m, methods[0], args.bootstrap)
         front, line = pareto_front(rows), verdict(rows)
-        versus_pca = versus_pca_keys(rows, held, args.bootstrap)
+        versus = versus_variants(rows, held, args.bootstrap)
         header = (
             f"{Path(args.model).name}, {args.dtype}; factors from {provenance.get('samples')} x "
             f"{provenance.get('max_length')} train-split tokens; {described[name]} of {args.prefix} + "
@@ -359,13 +384,13 @@ def pareto(args) -> str:
         report[name] = {
             "rows": {m: {**r, "tiers": policies[m], "pareto": m in front} for m, r in rows.items()},
             "verdict": line,
-            "versus_pca_keys": versus_pca,
+            "versus_variants": versus,
         }
         tables.append(markdown(rows, policies, front, f"### {name}\n\n{header}", line))
         tables += [
-            f"`{m}` against the PCA key basis (`{m}:pca`), paired: perplexity {d['ppl_change_pct']:+.2f}% "
-            f"[{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]\n"
-            for m, d in versus_pca.items()
+            f"`{v.rsplit(':', 1)[0]}` against {VARIANTS[v.rsplit(':', 1)[1]]} (`{v}`), paired: perplexity "
+            f"{d['ppl_change_pct']:+.2f}% [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]\n"
+            for v, d in versus.items()
         ]
         if name == "sharegpt":
             plot(rows, front, header, out.with_suffix(".png"))

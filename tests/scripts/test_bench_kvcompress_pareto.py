@@ -62,26 +62,29 @@ def test_bootstrap_interval_is_paired_over_sequences():
     )
 
 
-def test_methods_with_a_pca_variant_are_compared_with_it_paired():
-    """``versus_pca_keys`` pairs ``X`` with ``X:pca`` only: the perplexity ratio of the two rows and the
-    bootstrap interval of ``X`` over ``X:pca`` on the same sequences."""
+def test_methods_with_a_variant_are_compared_with_it_paired():
+    """``versus_variants`` pairs ``X`` with ``X:pca`` and ``X:uniform`` only: the perplexity ratio of the two
+    rows and the bootstrap interval of ``X`` over the variant on the same sequences."""
     seqs = [
         {
             "full": {"nll": 10.0 * k, "n": 10},
             "a": {"nll": 10.0 * k + 0.1, "n": 10},
             "a:pca": {"nll": 10.0 * k + 0.1 + 10 * math.log(1.02), "n": 10},
             "b": {"nll": 10.0 * k, "n": 10},
+            "b:uniform": {"nll": 10.0 * k + 10 * math.log(1.05), "n": 10},
+            "c:other": {"nll": 10.0 * k, "n": 10},
         }
         for k in (1, 2)
     ]
     table = {
         m: {"ppl": math.exp(sum(r[m]["nll"] for r in seqs) / sum(r[m]["n"] for r in seqs))} for m in seqs[0]
     }
-    got = SCRIPT["versus_pca_keys"](table, seqs, 100)
-    assert list(got) == ["a"]
-    assert math.isclose(got["a"]["ppl_change_pct"], 100 * (1 / 1.02 - 1), rel_tol=1e-9)
-    lo, hi = got["a"]["ci"]
-    assert math.isclose(lo, 100 * (1 / 1.02 - 1), abs_tol=1e-6) and math.isclose(hi, lo, abs_tol=1e-6)
+    got = SCRIPT["versus_variants"](table, seqs, 100)
+    assert sorted(got) == ["a:pca", "b:uniform"]
+    for variant, ratio in (("a:pca", 1.02), ("b:uniform", 1.05)):
+        assert math.isclose(got[variant]["ppl_change_pct"], 100 * (1 / ratio - 1), rel_tol=1e-9)
+        lo, hi = got[variant]["ci"]
+        assert math.isclose(lo, 100 * (1 / ratio - 1), abs_tol=1e-6) and math.isclose(hi, lo, abs_tol=1e-6)
 
 
 def test_records_are_read_back_per_set_and_sequence(tmp_path):
