@@ -33,7 +33,9 @@ documentation sequences (docs/results/kvcompress.md), and still is with key base
 (2026-12-07).  Rank, not bits, limits it, and it is the keys' rank: 4-bit tiers at lower rank and the same memory
 did worse, and with the keys stored exact the default's loss on 4 sequences vanished (+2.9% -> -0.2%) while exact
 values changed nothing (+3.5%).  Key-heavy tiers (value ranks half the key ranks) moved the ShareGPT front a
-little at 8.2-8.6x and lost on the documentation text, so value ranks stay 1.5x key ranks.
+little at 8.2-8.6x and lost on the documentation text, so value ranks stay 1.5x key ranks.  Key ranks can
+differ by layer (``layer_key_ranks``): calibration moves them to the layers where truncated keys cost most, at
+the same memory (``kvcompress.allocate``).
 """
 
 from __future__ import annotations
