@@ -30,6 +30,7 @@ import torch
 
 from .attention import enable_tale
 from .cache import TaleCache
+from .continuation import SharedPrefill, compare, continuation_logits
 from .factors import Factors
 from .policy import Policy
 
@@ -53,8 +54,6 @@ def key_sensitivity(
         of each sequence fed in ``chunk``-token steps: ``{"kl": {layer: mean KL}, "ranks": [...], "fractions":
         [...]}``.  ``done(summed_kl, tokens)`` is called after each sequence, and a run resumes from what it
     was given (``summed``, ``tokens``) with the sequences that remain."""
-    from .evaluate import SharedPrefill, compare, continuation_logits  # evaluate allocates its methods
-
     head_dim = factors.meta["head_dim"]
     layers = sorted(factors.layers)
     full = {layer: [head_dim] * len(policy.tiers) for layer in layers}
@@ -101,6 +100,7 @@ def allocate_key_ranks(policy: Policy, factors: Factors, sensitivity: dict, step
     """``policy`` with ``layer_key_ranks`` moved by ``sensitivity`` (module docstring), at no more key
     coefficients a token than the uniform policy."""
     head_dim = factors.meta["head_dim"]
+    check_measurement(sensitivity, head_dim)
     scored = policy.uses_scored_keys
     fractions = [t.fraction for t in policy.tiers]
     base = [t.k_rank for t in policy.tiers]
@@ -143,3 +143,22 @@ def allocate_key_ranks(policy: Policy, factors: Factors, sensitivity: dict, step
         offsets[best] += step
     layer_ranks = {layer: ranks(o) for layer, o in sorted(offsets.items()) if ranks(o) != base}
     return Policy.model_validate({**policy.model_dump(), "layer_key_ranks": layer_ranks})
+
+
+def check_measurement(sensitivity, head_dim: int) -> None:
+    """Raise a one-line ValueError unless ``sensitivity`` has the stored form (it is read from a factors file)."""
+    try:
+        ranks, fractions, kl = sensitivity["ranks"], sensitivity["fractions"], sensitivity["kl"]
+        ok = (
+            len(ranks) == len(fractions) > 0
+            and all(isinstance(r, int) and 0 < r <= head_dim for r in ranks)
+            and all(isinstance(f, (int, float)) for f in fractions)
+            and all(isinstance(v, (int, float)) and v >= 0 for v in kl.values())
+        )
+    except (KeyError, TypeError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"the factors' {SENSITIVITY_KEY} is not a measurement kvcompress wrote; to resolve, re-run "
+            "`swiftkv kvcompress calibrate` (or calibrate with --sensitivity-samples 0)"
+        )

@@ -126,7 +126,7 @@ class TaleLayer(CacheLayerMixin):
 
     def append_unobserved(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append exact K/V that no query row has attended to, e.g. a prefill computed with another cache
-        (``kvcompress.evaluate.SharedPrefill``).
+        (``kvcompress.continuation.SharedPrefill``).
 
         No attention pass follows, so nothing is observed or compressed: like a SwiftKV prompt, these tokens
         stay exact until ``min(Policy.observe, window + 1)`` rows of later passes have seen them.

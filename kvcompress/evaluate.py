@@ -4,7 +4,8 @@ Quality protocol (``quality``): a held-out text is split into a ``prefix`` (pref
 compressed) and a ``continuation`` fed in chunks of ``chunk`` tokens (so the window keeps rolling and later
 chunks see compressed history, as in decoding).  Perplexity, KL(full ‖ method) and top-1 agreement are
 computed on the continuation tokens only, against the uncompressed model's logits of the same run.  Every
-method starts from one shared prefill (``SharedPrefill``), which leaves each cache as its own prefill would.
+method starts from one shared prefill (``kvcompress.continuation.SharedPrefill``), which leaves each cache as
+its own prefill would.
 
 Methods are named by short specs so the benchmark's table is reproducible from its command line:
 
@@ -40,11 +41,14 @@ import torch.nn.functional as F
 
 from .allocate import SENSITIVITY_KEY, allocate_key_ranks
 from .attention import enable_tale
-from .cache import OBSERVED_QUERIES, TaleCache
+from .cache import TaleCache
 from .calibrate import chat_sequences
+from .continuation import SharedPrefill, compare, continuation_logits
 from .defaults import BLOCK, SINKS, WINDOW
 from .factors import Factors, identity_factors
 from .policy import Policy, Tier, scales_pair, uniform_policy
+
+FLAGS = ("pca", "uniform")  # trailing flags of TALE-family specs (module docstring)
 
 
 def make_method(
@@ -99,9 +103,6 @@ def make_method(
     return lambda: TaleCache(factors, policy, model.config, model=model)
 
 
-FLAGS = ("pca", "uniform")  # trailing flags of TALE-family specs (module docstring)
-
-
 def scales_options(args: list[str]) -> dict:
     """``["ct", "64", "16"]`` (key/value scale letters, token group, rank group) as ``Policy`` keywords."""
     if not args:
@@ -153,65 +154,6 @@ def fp16_kv_bytes(config, tokens: int, batch: int = 1) -> int:
     """What a plain fp16 KV cache of ``tokens`` tokens costs for ``config`` (the usual reference)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * tokens * batch
-
-
-class SharedPrefill:
-    """One prompt's prefill, computed once, that starts every method's cache as its own prefill would.
-
-    Why: a prefill is the same exact attention whatever cache follows it (TALE compresses only after the
-    pass; transformers' caches, the quantized ones included, attend over the exact states of their first
-    update), and at long contexts it is most of a benchmark's time.  So the prompt runs once, through sdpa's
-    causal kernel into a ``DynamicCache``, and ``start`` hands it to each method's fresh cache:
-
-    - any transformers cache receives all the K/V in one ``update`` per layer, as in its own prefill, and
-      the prefill's logits;
-    - a ``TaleCache`` receives the K/V of all but the last ``OBSERVED_QUERIES`` tokens unobserved
-      (``TaleLayer.append_unobserved``), and those last tokens run through the model with TALE attention:
-      significance then comes from the same last rows as in its own prefill, and compression follows.
-
-    The result equals the method's own prefill up to float rounding (only the kernel that computed the
-    shared K/V differs; ``tests/kvcompress/test_tale.py`` compares).  Holds the prompt's full K/V.
-    """
-
-    @torch.no_grad()
-    def __init__(self, model, ids: torch.Tensor):
-        from transformers import DynamicCache
-
-        self.model, self.ids = model, ids
-        previous = model.config._attn_implementation
-        model.set_attn_implementation("sdpa")  # the causal kernel: no (n, n) mask at long contexts
-        self.cache = DynamicCache(config=model.config)
-        self.logits = model(ids, cache=self.cache, logits_to_keep=1).logits
-        model.set_attn_implementation(previous)
-
-    @torch.no_grad()
-    def start(self, cache) -> torch.Tensor:
-        """Fill the fresh ``cache`` as prefilling the prompt would (the model set to the cache's attention);
-        returns the logits of the prompt's last position ``(b, 1, vocab)``."""
-        layers = [(i, layer) for i, layer in enumerate(self.cache.layers) if layer.is_initialized]
-        if not isinstance(cache, TaleCache):
-            for i, layer in layers:
-                cache.update(layer.keys, layer.values, i)
-            return self.logits
-        head = self.ids.shape[1] - OBSERVED_QUERIES
-        if head <= 0:
-            return self.model(self.ids, cache=cache, logits_to_keep=1).logits
-        for i, layer in layers:
-            cache.layers[i].append_unobserved(layer.keys[..., :head, :], layer.values[..., :head, :])
-        return self.model(self.ids[:, head:], cache=cache, logits_to_keep=1).logits
-
-
-@torch.no_grad()
-def continuation_logits(
-    model, ids: torch.Tensor, cache, prefix: int, chunk: int, shared: SharedPrefill | None = None
-) -> torch.Tensor:
-    """Float32 logits predicting ``ids[:, prefix:]``: prefill ``ids[:, :prefix]`` (or start from ``shared``,
-    its prefill), then feed the rest in chunks."""
-    first = shared.start(cache) if shared else model(ids[:, :prefix], cache=cache, logits_to_keep=1).logits
-    logits = [first]
-    for i in range(prefix, ids.shape[1] - 1, chunk):
-        logits.append(model(ids[:, i : min(i + chunk, ids.shape[1] - 1)], cache=cache).logits)
-    return torch.cat(logits, dim=1).float()
 
 
 def measure_sequence(
@@ -297,15 +239,6 @@ def quality(
             f"no held-out sequence of {prefix + continuation} tokens was read; to resolve, check the data"
         )
     return summarize(records, methods)
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """Summed NLL, summed KL(ref ‖ logits) and top-1 agreements over positions (and the count)."""
-    logp, ref_logp = F.log_softmax(logits, -1), F.log_softmax(ref, -1)
-    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-    agree = (logits.argmax(-1) == ref.argmax(-1)).float()
-    return {"nll": float(nll.sum()), "kl": float(kl.sum()), "agree": float(agree.sum()), "n": targets.numel()}
 
 
 @torch.no_grad()

@@ -35,8 +35,8 @@ import torch
 from kvcompress import evaluate
 from kvcompress.attention import enable_tale
 from kvcompress.calibrate import accumulate, chat_sequences
+from kvcompress.continuation import SharedPrefill
 from kvcompress.evaluate import (
-    SharedPrefill,
     attention_step_seconds,
     decode_step_seconds,
     energy_error,

@@ -140,14 +140,7 @@ def calibrated(args) -> dict:
                 "to resolve, pass another --factors or remove it"
             )
         return found
-    calibrate(
-        args.model,
-        args.factors,
-        samples=args.calibration_limit,
-        max_length=args.max_length,
-        sinks=args.sinks,
-        sensitivity_samples=args.sensitivity_samples,
-    )
+    calibrate(args.model, args.factors, **settings)  # the settings are calibrate()'s keywords
     return read_provenance(args.factors)
 
 

@@ -110,11 +110,20 @@ def test_allocation_is_the_optimum_of_its_cost_model():
     assert ranks[1] > ranks[0]  # the sensitive layer gains rank
 
 
-def test_without_a_measured_cost_the_policy_is_kept():
+def test_without_a_measured_cost_the_policy_is_kept_and_a_bad_measurement_is_refused():
     factors = _spectral_factors([[4.0, 2.0, 1.0, 0.5] * 4] * 2)
     policy = two_tier_policy(8, window=8)
     flat = {"kl": {"0": 0.0, "1": 0.0}, "ranks": [16, 8], "fractions": [0.25, 0.75]}
     assert allocate_key_ranks(policy, factors, flat) == policy
+    for bad in (
+        {**flat, "ranks": [16]},
+        {**flat, "ranks": [32, 8]},
+        {**flat, "kl": {"0": -1.0}},
+        {"kl": 1},
+        [],
+    ):
+        with pytest.raises(ValueError, match="is not a measurement kvcompress wrote; to resolve, re-run"):
+            allocate_key_ranks(policy, factors, bad)
 
 
 def test_methods_are_allocated_from_the_factors_unless_uniform():

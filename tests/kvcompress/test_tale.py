@@ -215,7 +215,7 @@ def test_shared_prefill_leaves_each_cache_as_its_own_prefill(model_and_factors):
     transformers' caches (full and fp8) the same as theirs."""
     from transformers import QuantizedCache
 
-    from kvcompress.evaluate import SharedPrefill, continuation_logits
+    from kvcompress.continuation import SharedPrefill, continuation_logits
 
     model, factors = model_and_factors
     ids = torch.randint(0, 96, (1, 150))
@@ -339,7 +339,8 @@ def test_smollm2_tale_keeps_quality_at_several_x_smaller_kv(smollm2, sharegpt):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcompress.calibrate import chat_sequences
-    from kvcompress.evaluate import compare, continuation_logits, fp16_kv_bytes
+    from kvcompress.continuation import compare, continuation_logits
+    from kvcompress.evaluate import fp16_kv_bytes
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
