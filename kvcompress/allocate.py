@@ -17,6 +17,10 @@ errors average out), so the cost is measured.
   layer moves by the same offset, so the tiers' order of significance is kept; full-rank tiers stay full.
   The cost is convex in rank (energies are sorted), so the greedy choice is the best one under the model.
 
+On SmolLM2 (16 + 8 held-out sequences of 4,096 + 256 tokens, docs/results/kvcompress.md) this took the
+default's perplexity increase from +5.6% to +3.8% on chat and from +11.0% to +9.3% on documentation text at
+the same 7.11x, and a 9.1x policy's from +12.0% to +8.3%; 85% of the measured KL sat in 7 of 30 layers.
+
 Calibration stores the measurement in the factors' metadata (``SENSITIVITY_KEY``: the layers' KL and the
 key ranks it was measured at) and writes the allocated default policy; any other policy can be allocated
 from the same measurement (``kvcompress.evaluate`` does, unless a method asks for ``:uniform``).
@@ -51,8 +55,8 @@ def key_sensitivity(
     done: Callable[[dict[int, float], int], None] | None = None,
 ) -> dict:
     """The measurement ``allocate_key_ranks`` takes (module docstring), over the last ``continuation`` tokens
-        of each sequence fed in ``chunk``-token steps: ``{"kl": {layer: mean KL}, "ranks": [...], "fractions":
-        [...]}``.  ``done(summed_kl, tokens)`` is called after each sequence, and a run resumes from what it
+    of each sequence fed in ``chunk``-token steps: ``{"kl": {layer: mean KL}, "ranks": [...], "fractions":
+    [...]}``.  ``done(summed_kl, tokens)`` is called after each sequence, and a run resumes from what it
     was given (``summed``, ``tokens``) with the sequences that remain."""
     head_dim = factors.meta["head_dim"]
     layers = sorted(factors.layers)
