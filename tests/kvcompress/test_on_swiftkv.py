@@ -201,3 +201,23 @@ def test_skipped_layers_top_tier_predicts_later_attention_better_than_one_row():
                 overlap[observe] += len(set(picked) & set(best)) / len(picked) / 6
     # measured: 0.36 from one row (chance: 0.25), 0.62 from the observation window
     assert overlap[LOSSY.observe] > overlap[1] + 0.1, overlap
+
+
+def test_key_sensitivity_is_measured_for_the_layers_that_write_kv():
+    """A SwiftKV model's per-layer key sensitivity covers exactly the KV-writing layers (AcrossKV leaders for
+    their group), each truncation costs something, and the allocation keeps the followers out."""
+    from kvcompress.allocate import allocate_key_ranks, key_sensitivity
+
+    torch.manual_seed(0)
+    model = to_swiftkv(tiny_base("llama"), 2, 2).eval()  # leaders 2 and 4, followers 3 and 5
+    for name, weight in model.named_parameters():  # sharp attention, so a truncated key moves the output
+        if "k_proj" in name:  # SwiftKV's k_proj_swiftkv included
+            weight.data *= 8
+    factors = factors_from_model(model, [torch.randint(3, 128, (1, 48)) for _ in range(3)])
+    policy = uniform_policy(8, None, sinks=2, window=5, block=3)
+    # the later layers tier the prompt only after window + 1 decode queries (as served), so several chunks
+    ids = torch.randint(3, 128, (1, 72))
+    measured = key_sensitivity(model, factors, policy, [ids], continuation=32, chunk=4)
+    assert sorted(measured["kl"]) == ["0", "1", "2", "4"]
+    assert all(kl > 1e-7 for kl in measured["kl"].values()), measured  # rounding: ~1e-8
+    assert set(allocate_key_ranks(policy, factors, measured).layer_key_ranks) <= {0, 1, 2, 4}
