@@ -119,16 +119,15 @@ def allocate_key_ranks(policy: Policy, factors: Factors, sensitivity: dict, step
     def coefficients(offset: int) -> float:
         return sum(f * r for f, r in zip(fractions, ranks(offset), strict=True))
 
-    def dropped(energy: torch.Tensor, tier_ranks: list[int], tier_fractions: list[float]) -> float:
-        tail = energy.sum(0).flip(0).cumsum(0).flip(0).tolist() + [0.0]  # tail[r]: energy beyond rank r
+    def dropped(tail: list[float], tier_ranks: list[int], tier_fractions: list[float]) -> float:
         return sum(f * tail[r] for f, r in zip(tier_fractions, tier_ranks, strict=True))
 
     costs: dict[int, Callable[[int], float]] = {}
     for layer, lf in factors.layers.items():
-        energy = lf.key_energy(scored)
-        measured = dropped(energy, sensitivity["ranks"], sensitivity["fractions"])
+        tail = lf.key_energy(scored).sum(0).flip(0).cumsum(0).flip(0).tolist() + [0.0]  # energy beyond rank r
+        measured = dropped(tail, sensitivity["ranks"], sensitivity["fractions"])
         weight = sensitivity["kl"].get(str(layer), 0.0) / measured if measured > 0 else 0.0
-        costs[layer] = lambda o, e=energy, w=weight: w * dropped(e, ranks(o), fractions)
+        costs[layer] = lambda o, t=tail, w=weight: w * dropped(t, ranks(o), fractions)
 
     offsets = dict.fromkeys(costs, step - lowest)
     budget = len(costs) * coefficients(0) - sum(coefficients(o) for o in offsets.values())
@@ -140,10 +139,10 @@ def allocate_key_ranks(policy: Policy, factors: Factors, sensitivity: dict, step
                 continue
             gain = (costs[layer](o) - costs[layer](o + step)) / extra
             if gain > best_gain:
-                best, best_gain = layer, gain
+                best, best_gain, best_extra = layer, gain, extra
         if best is None:
             break
-        budget -= coefficients(offsets[best] + step) - coefficients(offsets[best])
+        budget -= best_extra
         offsets[best] += step
     layer_ranks = {layer: ranks(o) for layer, o in sorted(offsets.items()) if ranks(o) != base}
     return Policy.model_validate({**policy.model_dump(), "layer_key_ranks": layer_ranks})

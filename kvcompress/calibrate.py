@@ -318,7 +318,10 @@ def calibrate(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sequences = chat_sequences(tokenizer, max_length, samples, split="train", data=data, tail=True)
+    first: list[torch.Tensor] = []  # the sequences the sensitivity is measured on (kept, not re-tokenized)
     for i, ids in enumerate(tqdm(sequences, total=samples, desc="calibrate", disable=not progress)):
+        if i < sensitivity_samples:
+            first.append(ids)
         if i < done:
             continue
         accumulate(model, [ids], moments, skip=sinks)
@@ -340,11 +343,8 @@ def calibrate(
         from .allocate import SENSITIVITY_KEY, allocate_key_ranks
 
         moments.save(partial, {"options": options, "done": done})  # a resumed run measures, not accumulates
-        sequences = chat_sequences(
-            tokenizer, max_length, sensitivity_samples, split="train", data=data, tail=True
-        )
         factors.meta[SENSITIVITY_KEY] = measure_sensitivity(
-            model, factors, policy, sequences, partial.with_suffix(".json"), options, progress
+            model, factors, policy, first, partial.with_suffix(".json"), options, progress
         )
         policy = allocate_key_ranks(policy, factors, factors.meta[SENSITIVITY_KEY])
     with atomic_output_dir(out_dir, force) as tmp:
@@ -368,7 +368,7 @@ def measure_sensitivity(
     model,
     factors: Factors,
     policy: Policy,
-    sequences: Iterable[torch.Tensor],
+    sequences: list[torch.Tensor],
     partial: Path,
     options: dict,
     progress: bool,
@@ -389,7 +389,6 @@ def measure_sensitivity(
                 state = saved
         except (ValueError, OSError):
             pass
-    sequences = list(sequences)
     bar = tqdm(total=len(sequences), initial=state["done"], desc="key sensitivity", disable=not progress)
 
     def done(summed: dict[int, float], tokens: int) -> None:
