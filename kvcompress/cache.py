@@ -313,7 +313,7 @@ class TaleLayer(CacheLayerMixin):
                 self.tier_k[t], keys, idx, self.key_map, k_ranks[t], tier.bits, tier.k_scales, reserve
             )
             self.tier_v[t] = self._append(
-                self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.bits, tier.v_scales, reserve
+                self.tier_v[t], values, idx, self.value_map, tier.v_rank, tier.v_bits, tier.v_scales, reserve
             )
         if self.policy.tier_id_bits:
             self.tier_ids = torch.cat([self.tier_ids, quant.pack(tier_id, self.policy.tier_id_bits)], dim=-1)

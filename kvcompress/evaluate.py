@@ -10,8 +10,10 @@ its own prefill would.
 Methods are named by short specs so the benchmark's table is reproducible from its command line:
 
 - ``full``: ``DynamicCache`` (the baseline, sdpa attention);
-- ``tale:B`` (optionally ``tale:B:8-4-2``, one bit width per tier): TALE with ``Policy.from_budget(B, bits)``;
-- ``tiers:SPEC``: explicit tiers, e.g. ``tiers:32/48@4x0.3+16/32@2x0.7`` (K/V ranks @ bits x fraction);
+- ``tale:B`` (optionally ``tale:B:8-4-2``, one bit width per tier, or ``tale:B:4-2-2/4-4-2``, keys' then
+  values'): TALE with ``Policy.from_budget(B, bits, value_bits=...)``;
+- ``tiers:SPEC``: explicit tiers, e.g. ``tiers:32/48@4x0.3+16/32@2/4x0.7`` (K/V ranks @ bits, or K/V bits,
+  x fraction);
 - both take a scales suffix ``:KV[:G]``, one letter for keys and one for values, ``t`` per-token scales and
   ``c`` per-channel scales over groups of ``G`` tokens (default 64), e.g. ``tale:0.25:4-2-2:ct``, and an
   optional rank-group size for per-token scales as ``:KV:G:RG`` (default: the whole vector);
@@ -78,9 +80,9 @@ def make_method(
         )
         factors = identity_factors(model.config)
     elif name == "tale":
-        bits = [int(b) for b in args[1].split("-")] if len(args) > 1 else [8, 4, 2]
+        bits, value_bits = parse_bits(args[1]) if len(args) > 1 else ([8, 4, 2], None)
         extra = scales_options(args[2:])
-        policy = Policy.from_budget(float(args[0]), bits, head_dim, **shared, **extra)
+        policy = Policy.from_budget(float(args[0]), bits, head_dim, value_bits=value_bits, **shared, **extra)
     elif name == "tiers":
         extra = scales_options(args[1:])
         k_scales, v_scales = extra.pop("scales", ("token", "token"))
@@ -115,14 +117,31 @@ def scales_options(args: list[str]) -> dict:
     return out
 
 
+def parse_bits(spec: str) -> tuple[list[int], list[int] | None]:
+    """``"4-2-2"`` -> one bit width per tier for keys and values; ``"4-2-2/4-4-2"`` -> keys', values'."""
+    keys, _, values = spec.partition("/")
+    widths = lambda text: [int(b) for b in text.split("-")]  # noqa: E731
+    return widths(keys), widths(values) if values else None
+
+
 def parse_tiers(spec: str) -> list[Tier]:
-    """``"32/48@4x0.3+16/32@2x0.7"``: tiers of K-rank/V-rank at bits for a fraction, most significant first."""
+    """``"32/48@4x0.3+16/32@2/4x0.7"``: tiers of K-rank/V-rank at bits (or K/V bits) for a fraction, most
+    significant first."""
     tiers = []
     for part in spec.split("+"):
         ranks, rest = part.split("@")
         bits, fraction = rest.split("x")
         k_rank, v_rank = (int(r) for r in ranks.split("/"))
-        tiers.append(Tier(k_rank=k_rank, v_rank=v_rank, bits=int(bits), fraction=float(fraction)))
+        k_bits, _, v_bits = bits.partition("/")
+        tiers.append(
+            Tier(
+                k_rank=k_rank,
+                v_rank=v_rank,
+                bits=int(k_bits),
+                v_bits=int(v_bits or k_bits),
+                fraction=float(fraction),
+            )
+        )
     return tiers
 
 

@@ -61,13 +61,25 @@ class Tier(BaseModel):
     model_config = ConfigDict(extra="forbid")
     k_rank: int = Field(gt=0, description="key coefficients kept per token and head")
     v_rank: int = Field(gt=0, description="value coefficients kept per token and head")
-    bits: int | None = Field(description="2, 4 or 8 (integer codes), 16 (fp16) or None (model dtype)")
+    bits: int | None = Field(
+        description="key bits (and value bits unless v_bits is given): 2, 4 or 8 (integer codes), 16 (fp16) or "
+        "None (model dtype)"
+    )
+    v_bits: int | None = Field(description="value bits, as bits (default: bits)")
     fraction: float = Field(gt=0, le=1, description="share of each leaving block assigned to this tier")
     k_scales: Scales = Field(
         "token",
         description="key scales: per token (groups of group_size) or per channel (token_group tokens)",
     )
     v_scales: Scales = Field("token", description="value scales, as k_scales")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _value_bits_default(cls, data):
+        """A tier written without ``v_bits`` (every policy.json before it existed) stores values like keys."""
+        if isinstance(data, dict) and "v_bits" not in data:
+            data = {**data, "v_bits": data.get("bits")}
+        return data
 
 
 class Policy(BaseModel):
@@ -108,7 +120,7 @@ class Policy(BaseModel):
             raise ValueError(f"tier fractions sum to {total:.4f}; to resolve, make them sum to 1")
         for t in self.tiers:
             check_bits(t.bits, t.k_rank, self.group_size)
-            check_bits(t.bits, t.v_rank, self.group_size)
+            check_bits(t.v_bits, t.v_rank, self.group_size)
         for layer, ranks in self.layer_key_ranks.items():
             if len(ranks) != len(self.tiers):
                 raise ValueError(
@@ -145,18 +157,24 @@ class Policy(BaseModel):
         bits: list[int | None],
         head_dim: int,
         fractions: list[float] | None = None,
+        value_bits: list[int | None] | None = None,
         scales: tuple[Scales, Scales] = ("token", "token"),
         **kw,
     ) -> Policy:
         """Tiers whose average key rank is about ``rank_budget * head_dim`` (see the module docstring), every
-        tier with key and value ``scales``."""
+        tier with key and value ``scales``; values at ``value_bits`` where given (one per tier), else at ``bits``."""
         if not 0 < rank_budget <= 1:
             raise ValueError(f"rank budget {rank_budget} is out of range; to resolve, pass a value in (0, 1]")
         if not 1 <= len(bits) <= len(RANK_MULTIPLIERS) + 1:
             raise ValueError(
                 f"{len(bits)} bit widths given; to resolve, pass 1 to {len(RANK_MULTIPLIERS) + 1} (e.g. 8,4,2)"
             )
-        for b in bits:
+        value_bits = list(bits if value_bits is None else value_bits)
+        if len(value_bits) != len(bits):
+            raise ValueError(
+                f"{len(value_bits)} value bit widths for {len(bits)} tiers; to resolve, give one per key bit width"
+            )
+        for b in bits + value_bits:
             if b not in ALLOWED_BITS:
                 raise ValueError(f"bits={b} is not supported; to resolve, use 2, 4, 8 or 16")
         fractions = list(fractions or DEFAULT_FRACTIONS[len(bits)])
@@ -175,11 +193,12 @@ class Policy(BaseModel):
                 k_rank=r,
                 v_rank=_round8(V_RANK_FACTOR * r, head_dim),
                 bits=b,
+                v_bits=vb,
                 fraction=f,
                 k_scales=scales[0],
                 v_scales=scales[1],
             )
-            for r, b, f in zip(ranks, bits, fractions, strict=True)
+            for r, b, vb, f in zip(ranks, bits, value_bits, fractions, strict=True)
         ]
         return cls(tiers=tiers, **kw)
 
@@ -213,7 +232,7 @@ class Policy(BaseModel):
         per = [
             bytes_per_vector(k, t.bits, self.group_size, float_bytes, self.token_group_of(t.k_scales))
             + bytes_per_vector(
-                t.v_rank, t.bits, self.group_size, float_bytes, self.token_group_of(t.v_scales)
+                t.v_rank, t.v_bits, self.group_size, float_bytes, self.token_group_of(t.v_scales)
             )
             for t, k in zip(self.tiers, k_ranks, strict=True)
         ]
@@ -221,7 +240,7 @@ class Policy(BaseModel):
 
     def describe(self) -> str:
         tiers = ", ".join(
-            f"{t.fraction:.0%}@r{t.k_rank}/{t.v_rank}x{t.bits or 'f'}b{_scales_tag(t)}" for t in self.tiers
+            f"{t.fraction:.0%}@r{t.k_rank}/{t.v_rank}x{_bits_tag(t)}b{_scales_tag(t)}" for t in self.tiers
         )
         by_layer = ""
         if self.layer_key_ranks:
@@ -240,6 +259,12 @@ def scales_pair(letters: str) -> tuple[Scales, Scales]:
             f"scales {letters!r}: to resolve, give two letters of t (per token) and c (per channel), keys first"
         )
     return SCALE_LETTERS[letters[0]], SCALE_LETTERS[letters[1]]
+
+
+def _bits_tag(tier: Tier) -> str:
+    """``"4"`` where keys and values share a bit width, else keys/values, e.g. ``"2/4"`` (``f``: unquantized)."""
+    k, v = (b or "f" for b in (tier.bits, tier.v_bits))
+    return f"{k}" if k == v else f"{k}/{v}"
 
 
 def _scales_tag(tier: Tier) -> str:

@@ -74,17 +74,26 @@ def _view_bytes(q: QTensor) -> int:
 
 
 @pytest.mark.parametrize(
-    "k_scales,v_scales", [("channel", "token"), ("channel", "channel"), ("token", "token")]
+    "k_scales,v_scales,k_bits,v_bits",
+    [
+        ("channel", "token", 2, 2),
+        ("channel", "channel", 2, 2),
+        ("token", "token", 2, 2),
+        ("channel", "channel", 2, 4),
+        ("channel", "token", 4, 2),
+    ],
 )
-def test_bytes_per_token_are_the_bytes_stored(k_scales, v_scales):
+def test_bytes_per_token_are_the_bytes_stored(k_scales, v_scales, k_bits, v_bits):
     """``Policy.compressed_bytes_per_token`` is what the stored tensors of full channel groups take (plus one
-    int32 group start per group and tier, shared by the heads), for every mix of scales."""
-    tier = Tier(k_rank=16, v_rank=24, bits=2, fraction=1.0, k_scales=k_scales, v_scales=v_scales)
+    int32 group start per group and tier, shared by the heads), for every mix of scales and of K/V bits."""
+    tier = Tier(
+        k_rank=16, v_rank=24, bits=k_bits, v_bits=v_bits, fraction=1.0, k_scales=k_scales, v_scales=v_scales
+    )
     policy = Policy(tiers=[tier], token_group=32, group_size=8)
     b, h, n = 1, 3, 128
     stored = [
-        quantize(torch.randn(b, h, n, r), 2, policy.group_size, policy.token_group_of(s))
-        for r, s in ((16, k_scales), (24, v_scales))
+        quantize(torch.randn(b, h, n, r), bits, policy.group_size, policy.token_group_of(s))
+        for r, s, bits in ((16, k_scales, k_bits), (24, v_scales, v_bits))
     ]
     starts = sum(q.starts.numel() * 4 for q in stored if q.per_channel)
     per_token = (sum(_view_bytes(q) for q in stored) - starts) / (b * h * n)

@@ -23,15 +23,15 @@ def model_and_factors():
     return tiny_model_and_factors()
 
 
-def tiered_policy(bits=(8, 4, 2), window=6, block=4) -> Policy:
+def tiered_policy(bits=(8, 4, 2), window=6, block=4, value_bits=None) -> Policy:
     ranks = (16, 8, 8)
     return Policy(
         sinks=2,
         window=window,
         block=block,
         tiers=[
-            Tier(k_rank=r, v_rank=r, bits=b, fraction=f)
-            for r, b, f in zip(ranks, bits, (0.25, 0.25, 0.5), strict=True)
+            Tier(k_rank=r, v_rank=r, bits=b, v_bits=vb, fraction=f)
+            for r, b, vb, f in zip(ranks, bits, value_bits or bits, (0.25, 0.25, 0.5), strict=True)
         ],
     )
 
@@ -116,18 +116,23 @@ def test_generate_with_full_rank_cache_matches_plain_generate(model_and_factors)
 
 
 @pytest.mark.parametrize("table_tokens", [0, 10**6])  # byte tables, direct unpacking
+@pytest.mark.parametrize("value_bits", [None, (2, 8, 4)])  # values at the keys' bits, at their own
 @torch.no_grad()
 def test_reconstruction_free_attention_equals_attention_over_reconstructed_kv(
-    model_and_factors, table_tokens, monkeypatch
+    model_and_factors, table_tokens, value_bits, monkeypatch
 ):
     from kvcompress import kernels
 
     monkeypatch.setattr(kernels, "TABLE_TOKENS", table_tokens)
     model, factors = model_and_factors
-    cache = TaleCache(factors, tiered_policy(), model.config, model=model)
+    policy = tiered_policy(value_bits=value_bits)
+    cache = TaleCache(factors, policy, model.config, model=model)
     model(torch.randint(0, 96, (1, 64)), cache=cache)
     layer = cache.layers[1]
     assert all(q is not None for q in layer.tier_k)  # every tier is populated
+    assert [(k.bits, v.bits) for k, v in zip(layer.tier_k, layer.tier_v, strict=True)] == [
+        (t.bits, t.v_bits) for t in policy.tiers
+    ]
     keys, values = layer.reconstruct()
 
     query = torch.randn(1, 4, 1, HEAD_DIM)
@@ -323,6 +328,28 @@ def test_errors_name_the_problem(model_and_factors):
     plain.load_state_dict(model.state_dict())
     with pytest.raises(ValueError, match="attn_implementation='sdpa'|enable_tale"):
         TaleCache(factors, uniform_policy(8, 8), plain.config, model=plain)
+
+
+def test_value_bits_default_to_the_keys_and_are_named_apart():
+    """Values take their own bit width where a tier gives one; a policy written before ``v_bits`` existed
+    (no such field in its JSON) stores values like keys; the specs and the description say which is which."""
+    from kvcompress.evaluate import parse_bits, parse_tiers
+
+    policy = Policy.from_budget(0.5, [4, 2, 2], 64, value_bits=[4, 4, 2])
+    assert [(t.bits, t.v_bits) for t in policy.tiers] == [(4, 4), (2, 4), (2, 2)]
+    assert "30%@r40/64x2/4b" in policy.describe() and "10%@r64/64x4b" in policy.describe()
+    assert Policy.model_validate_json(policy.model_dump_json()) == policy
+    old = policy.model_dump()
+    for tier in old["tiers"]:
+        del tier["v_bits"]
+    assert [t.v_bits for t in Policy.model_validate(old).tiers] == [4, 2, 2]
+    assert parse_bits("4-2-2/4-4-2") == ([4, 2, 2], [4, 4, 2]) and parse_bits("8-4") == ([8, 4], None)
+    tiers = parse_tiers("64/64@4x0.1+40/64@2/4x0.9")
+    assert [(t.bits, t.v_bits) for t in tiers] == [(4, 4), (2, 4)]
+    with pytest.raises(ValueError, match="2 value bit widths for 3 tiers"):
+        Policy.from_budget(0.5, [4, 2, 2], 64, value_bits=[4, 4])
+    with pytest.raises(ValueError, match="bits=3"):
+        Policy(tiers=[Tier(k_rank=8, v_rank=8, bits=4, v_bits=3, fraction=1.0)])
 
 
 def test_budget_sets_average_rank():
