@@ -374,13 +374,15 @@ def measure_sensitivity(
     progress: bool,
 ) -> dict:
     """``kvcompress.allocate.key_sensitivity`` on ``sequences``, resumable: the sums so far are written to
-    ``partial`` (JSON) after each sequence, and a run with the same ``options`` skips the sequences done."""
+    ``partial`` (JSON) after each sequence, and a run with the same ``options`` and ``policy`` skips the
+    sequences done."""
     from tqdm.auto import tqdm
 
     from toolkit.artifacts import write_json_atomic
 
     from .allocate import key_sensitivity
 
+    options = {**options, "policy": json.loads(policy.model_dump_json())}  # sums hold for the policy measured
     state = {"options": options, "done": 0, "summed": {}, "tokens": 0}
     if partial.is_file():
         try:

@@ -290,7 +290,8 @@ def test_factors_round_trip_with_and_without_the_scored_basis(tmp_path):
 
 def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, monkeypatch):
     """The measurement lands in the factors' metadata and the policy is allocated from it; a crash after the
-    first sensitivity sequence resumes with the second, to the same numbers."""
+    first sensitivity sequence resumes with the second, to the same numbers; a saved measurement of another
+    policy (here other bit widths) is not resumed but measured again."""
     import kvcompress.allocate as allocate_mod
     from kvcompress.allocate import SENSITIVITY_KEY, allocate_key_ranks
     from kvcompress.api import read_policy
@@ -315,13 +316,14 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
             done(summed, tokens)
             raise RuntimeError("injected crash")
 
-        return real(*args, done=first_then_crash if len(seen) == 1 else done, **kwargs)
+        return real(*args, done=first_then_crash if len(seen) <= 2 else done, **kwargs)
 
     monkeypatch.setattr(allocate_mod, "key_sensitivity", crash_after_one)
-    with pytest.raises(RuntimeError, match="injected crash"):
-        calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", **opts)
+    for bits in ([4, 4, 4], [4, 2, 2]):
+        with pytest.raises(RuntimeError, match="injected crash"):
+            calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", bits=bits, **opts)
     assert not (tmp_path / "kv").exists()
     calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", **opts)
-    assert seen == [3, 2] and not list(tmp_path.glob(".*partial*"))
+    assert seen == [3, 3, 2] and not list(tmp_path.glob(".*partial*"))
     got = load_factors(tmp_path / "kv").meta[SENSITIVITY_KEY]
     assert got["kl"] == pytest.approx(measured["kl"], rel=1e-4, abs=1e-9)
