@@ -53,6 +53,7 @@ from .defaults import (
     SENSITIVITY_SAMPLES,
     SENSITIVITY_TOKENS,
     SINKS,
+    VALUE_BITS,
     WINDOW,
 )
 from .factors import (
@@ -263,6 +264,7 @@ def calibrate(
     max_length: int = MAX_LENGTH,
     rank_budget: float = RANK_BUDGET,
     bits: Sequence[int | None] = BITS,
+    value_bits: Sequence[int | None] | None = VALUE_BITS,
     scales: str = SCALES,
     sinks: int = SINKS,
     window: int = WINDOW,
@@ -295,6 +297,7 @@ def calibrate(
         rank_budget,
         list(bits),
         model_signature(config)["head_dim"],
+        value_bits=None if value_bits is None else list(value_bits),
         scales=scales_pair(scales),
         sinks=sinks,
         window=window,
@@ -356,6 +359,7 @@ def calibrate(
             source=str(model_dir),
             rank_budget=rank_budget,
             bits=list(bits),
+            value_bits=None if value_bits is None else list(value_bits),
             scales=scales,
             **options,
         )

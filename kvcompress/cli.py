@@ -53,6 +53,13 @@ def build_parser() -> ArgumentParser:
         help=f"bit width per tier, most significant first (default: {','.join(map(str, D.BITS))})",
     )
     cal.add_argument(
+        "--value-bits",
+        type=int_list,
+        default=None if D.VALUE_BITS is None else list(D.VALUE_BITS),
+        help="the values' bit width per tier where it differs from the keys' --bits, e.g. --bits 4,4,2 --value-bits "
+        f"4,2,2 (default: {'as --bits' if D.VALUE_BITS is None else ','.join(map(str, D.VALUE_BITS))})",
+    )
+    cal.add_argument(
         "--scales",
         default=D.SCALES,
         help=f"key and value scales of every tier: t per token, c per channel over groups of tokens (default: {D.SCALES})",
@@ -86,6 +93,7 @@ OPTIONS = (
     "max_length",
     "rank_budget",
     "bits",
+    "value_bits",
     "scales",
     "sinks",
     "window",

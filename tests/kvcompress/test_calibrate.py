@@ -59,12 +59,25 @@ def test_cli_calibrate_then_load_compressed_generates(tiny_dir, tmp_path):
         "--limit",
         "4",
     ]
-    assert main([*argv, "--rank-budget", "0.5", "--bits", "8,4", "--window", "4", "--block", "8"]) == 0
+    options = [
+        "--rank-budget",
+        "0.5",
+        "--bits",
+        "8,4",
+        "--value-bits",
+        "4,8",
+        "--window",
+        "4",
+        "--block",
+        "8",
+    ]
+    assert main([*argv, *options]) == 0
     assert main([*argv]) == 2  # refuses to overwrite without --force
     assert main([*argv, "--rank-budget", "2"]) == 2 and (out / "factors.json").is_file()
+    assert main([*argv, "--force", "--bits", "8,4", "--value-bits", "4"]) == 2  # one value width per tier
 
     model, cache = load_compressed(tiny_dir, out, dtype=torch.float32)
-    assert [t.bits for t in cache.policy.tiers] == [8, 4]
+    assert [(t.bits, t.v_bits) for t in cache.policy.tiers] == [(8, 4), (4, 8)]
     ids = torch.randint(1, len(WORDS), (1, 30))
     generated = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache)
     assert generated.shape == (1, 40) and cache.layers[0].n_compressed > 0
