@@ -172,9 +172,10 @@ class Policy(BaseModel):
         value_bits = list(bits if value_bits is None else value_bits)
         if len(value_bits) != len(bits):
             raise ValueError(
-                f"{len(value_bits)} value bit widths for {len(bits)} tiers; to resolve, give one per key bit width"
+                f"{len(value_bits)} value bit widths for {len(bits)} tiers; to resolve, give one per tier "
+                "(--value-bits), as many as --bits"
             )
-        for b in bits + value_bits:
+        for b in [*bits, *value_bits]:
             if b not in ALLOWED_BITS:
                 raise ValueError(f"bits={b} is not supported; to resolve, use 2, 4, 8 or 16")
         fractions = list(fractions or DEFAULT_FRACTIONS[len(bits)])

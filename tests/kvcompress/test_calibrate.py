@@ -317,7 +317,13 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
     ref = load_factors(tmp_path / "ref")
     measured = ref.meta[SENSITIVITY_KEY]
     assert set(measured["kl"]) == {"0", "1"} and all(kl >= 0 for kl in measured["kl"].values())
-    default = Policy.from_budget(0.5, [4, 2, 2], 16, scales=("channel", "channel"), window=4, block=4)
+    from kvcompress import defaults as D
+    from kvcompress.policy import scales_pair
+
+    value_bits = None if D.VALUE_BITS is None else list(D.VALUE_BITS)
+    default = Policy.from_budget(
+        D.RANK_BUDGET, list(D.BITS), 16, value_bits=value_bits, scales=scales_pair(D.SCALES), window=4, block=4
+    )
     assert read_policy(tmp_path / "ref") == allocate_key_ranks(default, ref, measured)
 
     real, seen = allocate_mod.key_sensitivity, []
@@ -332,7 +338,7 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
         return real(*args, done=first_then_crash if len(seen) <= 2 else done, **kwargs)
 
     monkeypatch.setattr(allocate_mod, "key_sensitivity", crash_after_one)
-    for bits in ([4, 4, 4], [4, 2, 2]):
+    for bits in ([8, 8, 8], list(D.BITS)):
         with pytest.raises(RuntimeError, match="injected crash"):
             calibrate_mod.calibrate(tiny_dir, tmp_path / "kv", bits=bits, **opts)
     assert not (tmp_path / "kv").exists()
