@@ -20,19 +20,22 @@ Quotas (rather than significance thresholds) make the memory exactly predictable
 every (row, head) with the same number of tokens per tier, so tiers are rectangular tensors.
 
 ``from_budget`` turns the CLI knobs (``--rank-budget`` = average key rank / head_dim over compressed tokens,
-``--bits 8,4,2`` = one bit width per tier) into tiers: tier 0 (the most significant tokens) keeps full
-rank; the remaining key-rank budget is shared by the other tiers with ranks halving per tier; value ranks
-are 1.5x key ranks.  These defaults come from measurements on SmolLM2.  A probe on one held-out sequence
-(512+128 tokens), at equal bytes: the most significant half at full rank and the rest at rank 32/64 had
-KL 0.032, vs 0.134 for a uniform key rank 48, and 0.071 with the significance order reversed.  2-bit integer codes are only usable for the
-least significant tokens with per-token scales: uniform 2-bit per-token quantization broke SmolLM2 (+838%
-ppl).  With per-channel scales (``scales``, ``kvcompress.quant``) 2 bits carry most tiers: the calibration
-default ``--rank-budget 0.5 --bits 4,2,2 --scales cc`` (10% full rank at 4 bits, 30% rank 40/64 and 60%
-rank 24/32 at 2 bits) is the TALE point of least perplexity increase on the 2026-12-06 sweep over 16 ShareGPT and 8
-documentation sequences (docs/results/kvcompress.md), and still is with key bases fitted to the queries
-(2026-12-07).  Rank, not bits, limits it, and it is the keys' rank: 4-bit tiers at lower rank and the same memory
-did worse, and with the keys stored exact the default's loss on 4 sequences vanished (+2.9% -> -0.2%) while exact
-values changed nothing (+3.5%).  Key-heavy tiers (value ranks half the key ranks) moved the ShareGPT front a
+``--bits 8,4,2`` = the keys' bit width per tier, ``--value-bits`` the values' where they differ) into tiers:
+tier 0 (the most significant tokens) keeps full rank; the remaining key-rank budget is shared by the other
+tiers with ranks halving per tier; value ranks are 1.5x key ranks.  These defaults come from measurements on
+SmolLM2.  A probe on one held-out sequence (512+128 tokens), at equal bytes: the most significant half at full
+rank and the rest at rank 32/64 had KL 0.032, vs 0.134 for a uniform key rank 48, and 0.071 with the
+significance order reversed.  2-bit integer codes are only usable for the least significant tokens with
+per-token scales: uniform 2-bit per-token quantization broke SmolLM2 (+838% ppl).  With per-channel scales
+(``scales``, ``kvcompress.quant``) 2 bits carry most tiers.  The calibration default ``--rank-budget 0.5
+--bits 4,4,2 --value-bits 4,2,2 --scales cc`` (10% full rank at 4 bits; 30% key rank 40 at 4 bits and value
+rank 64 at 2; 60% rank 24/32 at 2 bits) comes from the 2026-12-07 sweep over 16 ShareGPT and 8 documentation
+sequences of 4,096 + 256 tokens (docs/results/kvcompress.md): against the former ``--bits 4,2,2`` it halved
+the perplexity increase on chat (+3.8% -> +1.6%) and cut it on the documentation (+9.3% -> +6.0%) for 8% more
+memory (6.57x against 7.11x smaller than fp16).  Where the bits go matters: the middle tier's keys at 4 bits
+bought that, its values at 4 bits gained under half a point for 14% more memory, and the most significant
+tier's values need their 4 bits.  Key rank matters as much: at key rank 8 in the least significant tier, 4-bit
+keys stay at +13.5% (9.16x), and key-heavy tiers (value ranks half the key ranks) moved the ShareGPT front a
 little at 8.2-8.6x and lost on the documentation text, so value ranks stay 1.5x key ranks.  Key ranks can
 differ by layer (``layer_key_ranks``): calibration moves them to the layers where truncated keys cost most, at
 the same memory (``kvcompress.allocate``).

@@ -55,23 +55,21 @@ from toolkit.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add
 
 TARGET_RATIO = 9.0  # x smaller than fp16 (the TALE paper's 9.1x on Llama-3.1-8B)
 TARGET_PPL_PCT = 3.0  # perplexity increase over the full cache, %
-PARETO_METHODS = ",".join(
+PARETO_METHODS = ",".join(  # the baselines and the TALE front of 2026-12-07 (docs/results/kvcompress.md)
     [
         "full",
         "hf-fp8",
         "quant:4",
-        "tale:0.5:8-4-2",
-        "tale:0.375:8-4-2",
-        "tale:0.25",
-        "tale:0.375:4-2-2",
-        "tale:0.25:4-4-2",
-        "tale:0.3:4-2-2",
-        "tale:0.25:4-2-2",
-        "tale:0.2:4-2-2",
-        "tiers:64/64@4x0.05+32/32@2x0.25+8/16@2x0.7",
-        "tiers:32/48@4x0.1+16/24@2x0.3+8/16@2x0.6",
-        "tale:0.25:2-2-2",
-        "tale:0.2:2-2-2",
+        "kivi:4",
+        "kivi:2",
+        "tale:0.625:4-4-2/4-2-2:cc",
+        "tale:0.5:4-4-4/4-2-2:cc",
+        "tale:0.5:4-4-2/4-2-2:cc",
+        "tale:0.5:4-2-2:cc",
+        "tale:0.375:4-4-2/4-2-2:cc",
+        "tale:0.375:4-2-2:cc",
+        "tiers:64/64@4x0.05+32/48@2x0.35+16/24@2x0.6:cc",
+        "tale:0.3:4-2-2:cc",
     ]
 )
 
