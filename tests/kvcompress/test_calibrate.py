@@ -322,7 +322,13 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
 
     value_bits = None if D.VALUE_BITS is None else list(D.VALUE_BITS)
     default = Policy.from_budget(
-        D.RANK_BUDGET, list(D.BITS), 16, value_bits=value_bits, scales=scales_pair(D.SCALES), window=4, block=4
+        D.RANK_BUDGET,
+        list(D.BITS),
+        16,
+        value_bits=value_bits,
+        scales=scales_pair(D.SCALES),
+        window=4,
+        block=4,
     )
     assert read_policy(tmp_path / "ref") == allocate_key_ranks(default, ref, measured)
 
