@@ -306,9 +306,10 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
     first sensitivity sequence resumes with the second, to the same numbers; a saved measurement of another
     policy (here other bit widths) is not resumed but measured again."""
     import kvcompress.allocate as allocate_mod
+    from kvcompress import defaults as D
     from kvcompress.allocate import SENSITIVITY_KEY, allocate_key_ranks
     from kvcompress.api import read_policy
-    from kvcompress.policy import Policy
+    from kvcompress.policy import Policy, scales_pair
 
     opts = dict(
         data=str(tiny_dir / "chats.jsonl"), samples=3, max_length=40, window=4, block=4, progress=False
@@ -317,9 +318,6 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
     ref = load_factors(tmp_path / "ref")
     measured = ref.meta[SENSITIVITY_KEY]
     assert set(measured["kl"]) == {"0", "1"} and all(kl >= 0 for kl in measured["kl"].values())
-    from kvcompress import defaults as D
-    from kvcompress.policy import scales_pair
-
     value_bits = None if D.VALUE_BITS is None else list(D.VALUE_BITS)
     default = Policy.from_budget(
         D.RANK_BUDGET,
