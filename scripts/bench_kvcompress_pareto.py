@@ -62,6 +62,7 @@ PARETO_METHODS = ",".join(  # the baselines and the TALE front of 2026-12-07 (do
         "quant:4",
         "kivi:4",
         "kivi:2",
+        "tiers:64/64@4x0.1+56/64@4/2x0.3+32/40@4/2x0.6:cc",
         "tale:0.625:4-4-2/4-2-2:cc",
         "tale:0.5:4-4-4/4-2-2:cc",
         "tale:0.5:4-4-2/4-2-2:cc",
