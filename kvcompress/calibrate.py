@@ -292,12 +292,13 @@ def calibrate(
             "pass samples >= 1, max_length >= 2 and sensitivity_samples >= 0"
         )
     sensitivity_samples = min(sensitivity_samples, samples)
+    value_bits = None if value_bits is None else list(value_bits)
     config = AutoConfig.from_pretrained(model_dir)
     policy = Policy.from_budget(
         rank_budget,
         list(bits),
         model_signature(config)["head_dim"],
-        value_bits=None if value_bits is None else list(value_bits),
+        value_bits=value_bits,
         scales=scales_pair(scales),
         sinks=sinks,
         window=window,
@@ -359,7 +360,7 @@ def calibrate(
             source=str(model_dir),
             rank_budget=rank_budget,
             bits=list(bits),
-            value_bits=None if value_bits is None else list(value_bits),
+            value_bits=value_bits,
             scales=scales,
             **options,
         )

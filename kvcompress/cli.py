@@ -55,9 +55,9 @@ def build_parser() -> ArgumentParser:
     cal.add_argument(
         "--value-bits",
         type=int_list,
-        default=None if D.VALUE_BITS is None else list(D.VALUE_BITS),
-        help="the values' bit width per tier where it differs from the keys' --bits, e.g. --bits 4,4,2 --value-bits "
-        f"4,2,2 (default: {'as --bits' if D.VALUE_BITS is None else ','.join(map(str, D.VALUE_BITS))})",
+        default=list(D.VALUE_BITS),
+        help="the values' bit width per tier, as many as --bits (default: "
+        f"{','.join(map(str, D.VALUE_BITS))}; pass the same list as --bits to store values like keys)",
     )
     cal.add_argument(
         "--scales",

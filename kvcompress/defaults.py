@@ -8,7 +8,7 @@ reads these without importing it.
 
 RANK_BUDGET = 0.5  # average key rank / head_dim of compressed tokens
 BITS = (4, 4, 2)  # keys' bit width per tier, most significant first
-VALUE_BITS = (4, 2, 2)  # values' bit width per tier (None: as BITS)
+VALUE_BITS = (4, 2, 2)  # values' bit width per tier (calibrate() also takes None: as the keys')
 SCALES = "cc"  # key and value scales: c per channel over groups of tokens, t per token
 SINKS = 4  # first tokens kept exact (attention sinks)
 WINDOW = 64  # most recent tokens kept exact

@@ -318,12 +318,11 @@ def test_calibrate_measures_key_sensitivity_and_resumes_it(tiny_dir, tmp_path, m
     ref = load_factors(tmp_path / "ref")
     measured = ref.meta[SENSITIVITY_KEY]
     assert set(measured["kl"]) == {"0", "1"} and all(kl >= 0 for kl in measured["kl"].values())
-    value_bits = None if D.VALUE_BITS is None else list(D.VALUE_BITS)
     default = Policy.from_budget(
         D.RANK_BUDGET,
         list(D.BITS),
         16,
-        value_bits=value_bits,
+        value_bits=list(D.VALUE_BITS),
         scales=scales_pair(D.SCALES),
         window=4,
         block=4,
