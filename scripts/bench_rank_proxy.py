@@ -19,7 +19,10 @@ p90 / p99 / max end-to-end latency pooled over the repeats, each with a 95% boot
 within repeats resampled), failed requests, preemptions (the server's ``vllm:num_preemptions_total``), the proxy's
 FCFS fallbacks (requests its ranker could not score), and the FCFS/arm ratios of mean, p90 and max with paired
 bootstrap intervals (the same requests of a repeat in both arms).  The JSON (``--out``) is rewritten after every
-run, so a long measurement that is stopped keeps what it measured; the table goes beside it as ``.md``.
+run, so a long measurement that is stopped keeps what it measured; the table goes beside it as ``.md``.  The same
+command again resumes it: the (repeat, rate, arm) runs already in ``--out`` are kept and skipped, with their cost
+model and burst rate, so a measurement longer than one sitting is split into runs; more ``--repeats`` or ``--rates``
+extend it, other settings are refused (they would pool runs of different measurements).
 
 Beside each measured ratio, the simulator's (``eval.serving.ranking.simulator``) for the same requests and send
 times, with the server's token budget, batch cap and KV cache, no starvation guard (vLLM has none), vLLM's
@@ -70,6 +73,10 @@ RATIOS = ("mean", "p90", "max")  # FCFS/arm, with paired intervals
 FALLBACK_MARKS = ("FCFS priority", "forwarded as is")  # the proxy's warnings for a request it did not score
 SMOKE = dict(num_prompts=6, rates=["inf"], repeats=1, bootstrap=200)
 SMOKE_OUTPUT_LEN = 8  # tokens per reply in a smoke run, whatever the recorded length
+# the settings a resumed measurement must share with the runs already in --out (--rates and --repeats may grow)
+SAME = ("model", "ranker", "dataset", "num_prompts", "arms", "aging_s", "seed", "kv_cache_mib", "max_num_seqs",
+        "max_num_batched_tokens", "dtype", "smoke")  # fmt: skip
+RUN_META = ("engine", "kv_tokens", "cost_model", "sim_config", "saturated_rps")  # kept on resume
 
 
 def start_proxy(args, server, work: Path, arm: str) -> tuple[subprocess.Popen, str, Path]:
@@ -178,12 +185,49 @@ def rotate(arms: list[str], repeat: int) -> list[str]:
     return arms[k:] + arms[:k]
 
 
-def measure(args, work: Path, save=lambda runs, meta: None) -> dict:
-    """Start the server and the arms' proxies, calibrate, run every (repeat, rate, arm); the runs and meta.
-    ``save(runs, meta)`` is called after every run."""
+def previous(args) -> tuple[list[dict], dict]:
+    """The runs already in ``--out`` and what was measured for them once (:data:`RUN_META`); none: ``[], {}``.
+    Refuses a file of another measurement (a :data:`SAME` setting differs) before any server starts."""
+    if not args.out.is_file():
+        return [], {}
+    try:
+        saved = json.loads(args.out.read_text())
+        meta, runs = saved["meta"], saved["runs"]
+        keys = [(r["repeat"], r["rate"], r["arm"]) for r in runs]
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"{args.out} is not a measurement of this script (to resolve, pass another --out)"
+        ) from None
+    for key in SAME:
+        mine = getattr(args, key)
+        mine = str(mine) if isinstance(mine, Path) else mine
+        if meta.get(key) != mine:
+            raise UsageError(f"{args.out} holds runs with --{key.replace('_', '-')} {meta.get(key)!r}, not {mine!r} "
+                             "(to resolve, pass another --out, or the same settings to resume it)")  # fmt: skip
+    if len(set(keys)) < len(keys):
+        raise UsageError(f"{args.out} holds a run twice (to resolve, pass another --out)")
+    if args.cost_model and json.loads(args.cost_model.read_text()) != meta.get("cost_model"):
+        raise UsageError(
+            f"{args.out} was simulated with another cost model (to resolve, leave out --cost-model)"
+        )
+    return runs, {k: meta[k] for k in RUN_META if k in meta}
+
+
+def measure(args, work: Path, save=lambda runs, meta: None, done=(), run_meta=None) -> dict:
+    """Start the server and the arms' proxies, calibrate, run every (repeat, rate, arm) not in ``done`` (the
+    runs of an earlier sitting, measured with ``run_meta``); the runs and meta.  ``save(runs, meta)`` is called
+    after every run."""
     from eval.serving.ranking.predictors import Ranker
     from eval.serving.ranking.simulator import CostModel, SimConfig
 
+    runs = list(done)
+    measured = {(r["repeat"], r["rate"], r["arm"]) for r in runs}
+    plan = [(repeat, spec, rotate(args.arms, repeat)) for repeat in range(args.repeats)
+            for spec in sorted(args.rates, key=lambda r: r != "inf")]  # fmt: skip
+    todo = [(repeat, spec, arms) for repeat, spec, arms in plan
+            if any((repeat, spec, arm) not in measured for arm in arms)]  # fmt: skip
+    if not todo:
+        return {"meta": dict(run_meta or {}), "runs": runs}
     engine = ["--dtype", args.dtype, "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
               "--max-model-len", "2048", "--seed", "0", "--enforce-eager", "--no-enable-prefix-caching",
               "--scheduling-policy", "priority", "--max-num-seqs", str(args.max_num_seqs),
@@ -194,7 +238,8 @@ def measure(args, work: Path, save=lambda runs, meta: None) -> dict:
         bs.serving("priority", args.model, engine, work, bs.server_env(work)) as server,
         contextlib.ExitStack() as stack,
     ):
-        cost = calibrated_cost(args, server, work)  # before the proxies: nothing else runs on the server
+        # before the proxies: nothing else runs on the server; a resumed measurement keeps its cost model
+        cost = run_meta["cost_model"] if run_meta else calibrated_cost(args, server, work)
         config = SimConfig(args.max_num_batched_tokens, args.max_num_seqs, 10**9, 1, server.kv_tokens(),
                            preemption="memory")  # fmt: skip
         proxies = {}
@@ -210,39 +255,37 @@ def measure(args, work: Path, save=lambda runs, meta: None) -> dict:
             "kv_tokens": server.kv_tokens(),
             "cost_model": cost,
             "sim_config": config.__dict__,
-            "saturated_rps": None,
+            "saturated_rps": (run_meta or {}).get("saturated_rps"),
         }  # fmt: skip  (FCFS's request rate in the burst: what "1x" means)
-        for repeat in range(args.repeats):
-            for spec in sorted(args.rates, key=lambda r: r != "inf"):
-                rate = bs._resolve(spec, meta["saturated_rps"])
-                flags = client_flags(args, rate, repeat)
-                requests = sampled_requests(args, flags)
-                scores = ranker.score([r.prompt for r in requests])
-                for arm in rotate(args.arms, repeat):
-                    marks = _fallbacks(proxies[arm][1]) if arm in proxies else 0
-                    before = server.counters()
-                    target = types.SimpleNamespace(url=targets[arm], name=server.name, model=server.model)
-                    result, argv = bs.bench_serve(target, flags, work / f"client-{arm}.log")
-                    after = server.counters()
-                    if result["input_lens"] != [r.prompt_len for r in requests]:
-                        raise RuntimeError(
-                            "the client sent other requests than vLLM's sampling gave this script"
-                        )
-                    run = {"arm": arm, "rate": spec, "rate_rps": rate, "repeat": repeat, **bs.summary(result),
-                           "start_times": result["start_times"], "command": bs.client_command(argv),
-                           "latencies_s": [x if not e else None for x, e in zip(result["latencies"], result["errors"], strict=True)],
-                           "preemptions": after[bs.COUNTERS[0]] - before[bs.COUNTERS[0]],
-                           "proxy_fallbacks": _fallbacks(proxies[arm][1]) - marks if arm in proxies else 0}  # fmt: skip
-                    run.update(
-                        simulated(run, requests, scores, CostModel.from_dict(cost), config, args.aging_s)
-                    )
-                    runs.append(run)
-                    print(f"{spec} {arm}: mean {run['mean_e2el_ms'] / 1e3:.1f} s (simulated {run['sim_mean_s']:.1f}),"
-                          f" p90 {run['p90_e2el_ms'] / 1e3:.1f} s, max {max(filter(None, run['latencies_s']), default=0):.1f} s, "
-                          f"failed {run['failed']}, preemptions {run['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
-                    if spec == "inf" and arm == "fcfs" and meta["saturated_rps"] is None:
-                        meta["saturated_rps"] = result["request_throughput"]
-                    save(runs, meta)
+        for repeat, spec, arms in todo:
+            rate = bs._resolve(spec, meta["saturated_rps"])
+            flags = client_flags(args, rate, repeat)
+            requests = sampled_requests(args, flags)
+            scores = ranker.score([r.prompt for r in requests])
+            for arm in arms:
+                if (repeat, spec, arm) in measured:
+                    continue
+                marks = _fallbacks(proxies[arm][1]) if arm in proxies else 0
+                before = server.counters()
+                target = types.SimpleNamespace(url=targets[arm], name=server.name, model=server.model)
+                result, argv = bs.bench_serve(target, flags, work / f"client-{arm}.log")
+                after = server.counters()
+                if result["input_lens"] != [r.prompt_len for r in requests]:
+                    raise RuntimeError("the client sent other requests than vLLM's sampling gave this script")
+                run = {"arm": arm, "rate": spec, "rate_rps": rate, "repeat": repeat, **bs.summary(result),
+                       "start_times": result["start_times"], "command": bs.client_command(argv),
+                       "latencies_s": [x if not e else None for x, e in zip(result["latencies"], result["errors"], strict=True)],
+                       "preemptions": after[bs.COUNTERS[0]] - before[bs.COUNTERS[0]],
+                       "ended": time.strftime("%Y-%m-%d %H:%M"),
+                       "proxy_fallbacks": _fallbacks(proxies[arm][1]) - marks if arm in proxies else 0}  # fmt: skip
+                run.update(simulated(run, requests, scores, CostModel.from_dict(cost), config, args.aging_s))
+                runs.append(run)
+                print(f"{spec} {arm}: mean {run['mean_e2el_ms'] / 1e3:.1f} s (simulated {run['sim_mean_s']:.1f}),"
+                      f" p90 {run['p90_e2el_ms'] / 1e3:.1f} s, max {max(filter(None, run['latencies_s']), default=0):.1f} s, "
+                      f"failed {run['failed']}, preemptions {run['preemptions']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
+                if spec == "inf" and arm == "fcfs" and meta["saturated_rps"] is None:
+                    meta["saturated_rps"] = result["request_throughput"]
+                save(runs, meta)
     return {"meta": meta, "runs": runs}
 
 
@@ -419,9 +462,10 @@ def _command(args) -> str:
         raise UsageError("rates like 1.5x are multiples of the burst's rate (to resolve, add inf to --rates)")
     # `timeout` and kill: unwind, stopping the server and the proxies
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    done, run_meta = previous(args)
     work = Path(tempfile.mkdtemp(prefix="rank-proxy-", dir="/tmp"))  # vLLM's ipc sockets: a short path
     try:
-        result = measure(args, work, lambda runs, meta: save(args, runs, meta))
+        result = measure(args, work, lambda runs, meta: save(args, runs, meta), done, run_meta)
     except BaseException:
         print(f"server, proxy and client logs kept in {work}", file=sys.stderr)
         raise

@@ -52,6 +52,76 @@ def test_bad_input_is_refused_in_one_line(tmp_path, extra, message):
     assert run.stderr.startswith("error: ") and message in run.stderr and not out.exists()
 
 
+def stored(tmp_path: Path, argv: list[str], runs: list[dict]) -> Path:
+    """``--out`` as an earlier sitting of ``argv`` left it: its settings, what it measured once, ``runs``."""
+    args = brp.build_parser().parse_args(argv)
+    meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    meta.update(engine=["--scheduling-policy", "priority"], kv_tokens=3584, cost_model={"source": "test"},
+                sim_config={}, saturated_rps=0.4)  # fmt: skip
+    args.out.write_text(json.dumps({"meta": meta, "runs": runs, "summary": [], "table": []}))
+    return args.out
+
+
+def latency_runs(arms: list[str], repeats: int, n: int = 40) -> list[dict]:
+    """Runs of a burst: FCFS's latencies, and each other arm's half of them, request by request."""
+    import numpy as np
+
+    runs = []
+    for repeat in range(repeats):
+        base = np.random.default_rng(repeat).exponential(20.0, n)
+        for arm in arms:
+            factor = 1.0 if arm == "fcfs" else 0.5
+            runs.append({"arm": arm, "rate": "inf", "repeat": repeat, "latencies_s": list(base * factor),
+                         "failed": 0, "preemptions": 2.0, "proxy_fallbacks": 0, "sim_mean_s": 10.0 * factor,
+                         "sim_max_s": 30.0 * factor})  # fmt: skip
+    return runs
+
+
+def test_a_finished_measurement_is_summarized_again_without_a_server(tmp_path):
+    """The same command over a measurement whose runs are all there: nothing is measured (the model here is
+    an empty folder, so a server would not start), the runs and their cost model are kept, the table is
+    recomputed from them."""
+    out = tmp_path / "m.json"
+    argv = [str(tmp_path), str(tmp_path), str(SCRIPT), "--core-python", sys.executable, "--arms", "fcfs,oracle",
+            "--rates", "inf", "--repeats", "2", "--num-prompts", "40", "--bootstrap", "200", "--out", str(out)]  # fmt: skip
+    runs = latency_runs(["fcfs", "oracle"], 2)
+    stored(tmp_path, argv, runs)
+    run = script(sys.executable, *argv, tmp=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "starting" not in run.stderr  # no server
+    result = json.loads(out.read_text())
+    assert result["runs"] == runs and result["meta"]["cost_model"] == {"source": "test"}
+    oracle = next(r for r in result["summary"] if r["arm"] == "oracle")
+    assert oracle["repeats"] == 2 and oracle["fcfs_over_arm_mean"][0] == pytest.approx(2.0)
+    assert out.with_suffix(".md").read_text().count("| oracle |") == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--seed", "1"], "holds runs with --seed 0, not 1"),
+        (["--arms", "fcfs,ranker"], "holds runs with --arms"),
+        (["--num-prompts", "41"], "holds runs with --num-prompts 40, not 41"),
+        ("not json", "is not a measurement of this script"),
+        ("twice", "holds a run twice"),
+    ],
+)
+def test_a_resume_of_another_measurement_is_refused(tmp_path, change, message):
+    """Runs of other settings would be pooled with the new ones: refused in one line before any server
+    starts, the file left as it was."""
+    out = tmp_path / "m.json"
+    argv = [str(tmp_path), str(tmp_path), str(SCRIPT), "--core-python", sys.executable, "--arms", "fcfs,oracle",
+            "--rates", "inf", "--repeats", "1", "--num-prompts", "40", "--out", str(out)]  # fmt: skip
+    runs = latency_runs(["fcfs", "oracle"], 1)
+    stored(tmp_path, argv, runs + runs[:1] if change == "twice" else runs)
+    if change == "not json":
+        out.write_text("{")
+    before = out.read_text()
+    run = script(sys.executable, *(argv + change if isinstance(change, list) else argv), tmp=tmp_path)
+    assert run.returncode == 2 and run.stdout == "" and run.stderr.count("\n") == 1, run.stderr
+    assert message in run.stderr and "to resolve" in run.stderr and out.read_text() == before
+
+
 def test_each_arm_is_simulated_with_its_own_policy():
     """A burst of one long request first and four short ones: FCFS serves the long one first, the ranker (whose
     scores here say the opposite of the truth) last-first, the oracle shortest first; the aged ranker with an
@@ -163,3 +233,16 @@ def test_smoke(smollm2, sharegpt, vllm_python, tmp_path):
         assert r["proxy_fallbacks"] == 0 and r["sim_mean_s"] > 0
     assert result["meta"]["cost_model"] == json.loads(cost.read_text()) and result["meta"]["kv_tokens"] > 0
     assert len(result["table"]) == 2 + len(brp.ARMS) and "--scheduling-policy" in result["meta"]["engine"]
+
+    # stopped before its last run: the same command measures that run only and keeps the others
+    kept = result["runs"][:-1]
+    out.write_text(json.dumps({**result, "runs": kept}))
+    run = script(vllm_python, *argv, tmp=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    resumed = json.loads(out.read_text())
+    assert resumed["runs"][:-1] == kept and resumed["runs"][-1]["arm"] == result["runs"][-1]["arm"]
+    assert (
+        resumed["runs"][-1]["completed"] == 6 and resumed["meta"]["kv_tokens"] == result["meta"]["kv_tokens"]
+    )
+    assert sum(f"inf {arm}:" in run.stderr for arm in brp.ARMS) == 1  # one run measured
+    assert len(resumed["summary"]) == len(brp.ARMS)
