@@ -51,6 +51,67 @@ from .factors import Factors, identity_factors
 from .policy import Policy, Tier, scales_pair, uniform_policy
 
 FLAGS = ("pca", "uniform")  # trailing flags of TALE-family specs (module docstring)
+TALE_FAMILY = ("tale", "tiers", "lowrank")  # the methods that use the calibrated factors, so take FLAGS
+# arguments after the name, flags aside: at least, at most
+ARITY = {
+    "full": (0, 0),
+    "hf-fp8": (0, 0),
+    "tale": (1, 5),
+    "tiers": (1, 4),
+    "lowrank": (2, 2),
+    "quant": (1, 1),
+    "kivi": (1, 3),
+}
+RESOLVE = "to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS, kivi:BITS or hf-fp8"
+
+
+def parse_method(spec: str) -> tuple[str, list[str], set[str]]:
+    """``spec`` as (name, arguments, trailing flags), its syntax checked without a model, so that a benchmark
+    refuses a misspelt spec before it loads or calibrates anything (the policy validates the rest)."""
+    name, *args = spec.split(":")
+    flags = set()
+    while args and args[-1] in FLAGS:
+        flags.add(args.pop())
+    if name not in ARITY:
+        raise ValueError(f"unknown method {spec!r}; {RESOLVE}")
+    if flags and name not in TALE_FAMILY:
+        raise ValueError(
+            f"method {spec!r}: {', '.join(':' + f for f in sorted(flags))} change how calibrated factors are used, "
+            f"which {name} has none of; to resolve, drop them or use {', '.join(TALE_FAMILY)}"
+        )
+    low, high = ARITY[name]
+    try:
+        if not low <= len(args) <= high:
+            raise ValueError
+        if name == "tale":
+            float(args[0])
+            if len(args) > 1:
+                parse_bits(args[1])
+            scales_options(args[2:])
+        elif name == "tiers":
+            parse_tiers(args[0])
+            scales_options(args[1:])
+        else:
+            for a in args:
+                int(a)
+    except ValueError:  # pydantic's ValidationError is one too
+        raise ValueError(f"malformed method {spec!r}; {RESOLVE} (kvcompress.evaluate)") from None
+    return name, args, flags
+
+
+def method_list(text: str) -> list[str]:
+    """argparse type: a comma list of method specs, each checked by :func:`parse_method`."""
+    import argparse
+
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    try:
+        for m in methods:
+            parse_method(m)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not methods:
+        raise argparse.ArgumentTypeError(f"{text!r} names no method; {RESOLVE}")
+    return methods
 
 
 def make_method(
@@ -59,10 +120,7 @@ def make_method(
     """A zero-argument factory of fresh caches for ``spec`` (see module docstring); sets the attention."""
     from transformers import DynamicCache, QuantizedCache
 
-    name, *args = spec.split(":")
-    flags = set()
-    while args and args[-1] in FLAGS:
-        flags.add(args.pop())
+    name, args, flags = parse_method(spec)
     head_dim = factors.meta["head_dim"]
     shared = {"sinks": sinks, "window": window, "block": block}
     if name == "full":
@@ -92,13 +150,8 @@ def make_method(
         policy = Policy(tiers=tiers, **shared, **extra)
     elif name == "lowrank":
         policy = uniform_policy(int(args[0]), int(args[1]), **shared)
-    elif name == "quant":
+    else:  # quant (parse_method knows no other)
         factors, policy = identity_factors(model.config), uniform_policy(head_dim, int(args[0]), **shared)
-    else:
-        raise ValueError(
-            f"unknown method {spec!r}; to resolve, use full, tale:B, tiers:SPEC, lowrank:R:BITS, quant:BITS, "
-            "kivi:BITS or hf-fp8"
-        )
     policy = policy.model_copy(update={"scored_keys": "pca" not in flags})
     if SENSITIVITY_KEY in factors.meta and "uniform" not in flags:
         policy = allocate_key_ranks(policy, factors, factors.meta[SENSITIVITY_KEY])

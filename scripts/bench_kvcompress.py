@@ -42,6 +42,7 @@ from kvcompress.evaluate import (
     energy_error,
     kv_bytes,
     make_method,
+    method_list,
     weight_svd_bases,
 )
 from kvcompress.factors import load_factors
@@ -54,7 +55,9 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(description=__doc__)
     add_model(p)
     add_model(p, "factors", help="factors directory from `swiftkv kvcompress calibrate`")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list (see kvcompress.evaluate)")
+    p.add_argument(
+        "--methods", type=method_list, default=DEFAULT_METHODS, help="comma list (see kvcompress.evaluate)"
+    )
     add_limit(p, 6, "held-out sequences for quality")
     p.add_argument("--prefix", type=int, default=1024, help="prefilled tokens per sequence")
     p.add_argument("--continuation", type=int, default=256, help="scored tokens per sequence")
@@ -65,7 +68,9 @@ def build_parser() -> ArgumentParser:
         default=[2048, 8192, 16384],
         help="comma list; empty to skip (beyond the model's max_position_embeddings: timing only, see above)",
     )
-    p.add_argument("--latency-methods", default="full,hf-fp8,quant:4,tale:0.25", help="comma list")
+    p.add_argument(
+        "--latency-methods", type=method_list, default="full,hf-fp8,quant:4,tale:0.25", help="comma list"
+    )
     p.add_argument("--decode-steps", type=int, default=32, help="timed steps per round (32: one block)")
     p.add_argument(
         "--attention-contexts",
@@ -99,7 +104,7 @@ def quality(model, tok, factors, args) -> dict[str, dict]:
         model,
         tok,
         factors,
-        args.methods.split(","),
+        args.methods,
         args.limit,
         args.prefix,
         args.continuation,
@@ -146,7 +151,7 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
     mean in their real proportion).  Contexts run one after the other, so each context's peak memory is
     the process's peak after it (recorded with the KV memory each cache holds after its prefill).
     """
-    methods = args.latency_methods.split(",")
+    methods = args.latency_methods
     factories = {m: make_method(m, model, factors, args.sinks, args.window) for m in methods}
     out: dict[str, dict] = {m: {} for m in methods}
     for ctx in args.latency_contexts:
@@ -181,7 +186,7 @@ def latency(model, tok, factors, args) -> dict[str, dict]:
 
 def attention_latency(model, factors, args) -> dict[str, dict]:
     """One layer's decode-step attention (cache update included) per method and context."""
-    methods = args.latency_methods.split(",")
+    methods = args.latency_methods
     factories = {m: make_method(m, model, factors, args.sinks, args.window) for m in methods}
     seeds = iter(range(1 << 30))
     for m in methods:  # warm-up (kernel loading), not counted

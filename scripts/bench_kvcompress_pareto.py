@@ -48,7 +48,7 @@ import swiftkv  # noqa: F401  (registers the SwiftKV model types, so a SwiftKV c
 from kvcompress.cache import TaleCache
 from kvcompress.calibrate import calibrate, chat_sequences
 from kvcompress.defaults import SENSITIVITY_SAMPLES
-from kvcompress.evaluate import make_method, measure_sequence, summarize
+from kvcompress.evaluate import make_method, measure_sequence, method_list, summarize
 from kvcompress.factors import load_factors
 from toolkit.artifacts import read_provenance, save_figure, write_json_atomic, write_text_atomic
 from toolkit.cliargs import ArgumentParser, add_dtype, add_limit, add_model, add_out, run
@@ -95,7 +95,9 @@ def build_parser() -> ArgumentParser:
         help="calibration sequences for the per-layer key sensitivity (kvcompress.allocate; 0: uniform ranks; "
         f"default: {SENSITIVITY_SAMPLES})",
     )
-    p.add_argument("--methods", default=PARETO_METHODS, help="comma list, the reference (full) first")
+    p.add_argument(
+        "--methods", type=method_list, default=PARETO_METHODS, help="comma list, the reference (full) first"
+    )
     add_limit(p, 16, "held-out ShareGPT sequences")
     p.add_argument(
         "--docs-limit",
@@ -331,7 +333,7 @@ def measure(model, factors, sets, methods: list[str], args, path: Path, progress
 def pareto(args) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    methods = args.methods.split(",")
+    methods = args.methods
     if methods[0] != "full":
         raise ValueError(f"--methods starts with {methods[0]!r}; to resolve, put the reference 'full' first")
     provenance = calibrated(args)

@@ -352,6 +352,48 @@ def test_value_bits_default_to_the_keys_and_are_named_apart():
         Policy(tiers=[Tier(k_rank=8, v_rank=8, bits=4, v_bits=3, fraction=1.0)])
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("kivi:2:pca", "drop them or use tale, tiers, lowrank"),
+        ("quant:4:uniform", "drop them"),
+        ("full:pca", "drop them"),
+        ("tale", "malformed method 'tale'"),
+        ("tale:half", "malformed"),
+        ("tale:0.5:4-x-2", "malformed"),
+        ("tale:0.5:4-2-2:zz", "malformed"),
+        ("tiers:32/48@4", "malformed"),
+        ("tiers:32/48@4x0.3+16@2x0.7", "malformed"),
+        ("quant:4:8", "malformed"),
+        ("lowrank:16", "malformed"),
+        ("kivi:2:128:32:1", "malformed"),
+        ("full:1", "malformed"),
+        ("tail:0.5", "unknown method 'tail:0.5'"),
+    ],
+)
+def test_method_specs_are_checked_without_a_model(spec, message):
+    """A benchmark reads its --methods before it loads or calibrates anything: a misspelt spec, or a flag that
+    would be silently inert (keys' basis or rank allocation on a method without calibrated factors), is refused
+    in one line naming the fix."""
+    import argparse
+
+    from kvcompress.evaluate import method_list, parse_method
+
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+    with pytest.raises(argparse.ArgumentTypeError, match="to resolve"):
+        method_list(f"full,{spec}")
+    good = (
+        "full, tale:0.5:4-4-2/4-2-2:cc:64:16:pca:uniform,tiers:64/64@4x0.1+32/40@4/2x0.9:ct,kivi:2:64,quant:4"
+    )
+    assert method_list(good + ",lowrank:16:4:pca,hf-fp8")[1] == "tale:0.5:4-4-2/4-2-2:cc:64:16:pca:uniform"
+    assert parse_method("tale:0.5:4-2-2:cc:uniform:pca") == (
+        "tale",
+        ["0.5", "4-2-2", "cc"],
+        {"pca", "uniform"},
+    )
+
+
 def test_budget_sets_average_rank():
     policy = Policy.from_budget(0.25, [8, 4, 2], 64)
     mean_rank = sum(t.fraction * t.k_rank for t in policy.tiers)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import runpy
+import subprocess
+import sys
 
 from helpers import ROOT
 
@@ -101,3 +103,16 @@ def test_records_are_read_back_per_set_and_sequence(tmp_path):
         ("stdlib", 0): {"full": {"nll": 3.0}},
     }
     assert SCRIPT["read_records"](tmp_path / "absent.jsonl") == {}
+
+
+def test_a_bad_method_is_refused_before_calibrating(tmp_path):
+    """--methods is checked as the command line is read: a spec with a flag the method ignores stops the run in
+    one line before the factors folder is touched (calibration takes minutes)."""
+    factors = tmp_path / "factors"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_kvcompress_pareto.py"), str(tmp_path), "--factors",
+         str(factors), "--methods", "full,kivi:2:pca", "--out", str(tmp_path / "p")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "'kivi:2:pca'" in run.stderr and "to resolve" in run.stderr and not factors.exists()
