@@ -239,7 +239,7 @@ def measure(args, work: Path, save=lambda runs, meta: None, done=(), run_meta=No
         contextlib.ExitStack() as stack,
     ):
         # before the proxies: nothing else runs on the server; a resumed measurement keeps its cost model
-        cost = run_meta["cost_model"] if run_meta else calibrated_cost(args, server, work)
+        cost = (run_meta or {}).get("cost_model") or calibrated_cost(args, server, work)
         config = SimConfig(args.max_num_batched_tokens, args.max_num_seqs, 10**9, 1, server.kv_tokens(),
                            preemption="memory")  # fmt: skip
         proxies = {}
