@@ -35,6 +35,7 @@ EPILOG = """examples:
   swiftkv ranking train out/traces --out out/ranker-lm --kind small-lm --backbone-layers 8 --lr 1e-4
   swiftkv ranking train out/traces --out out/ranker-cls --objective buckets    # classification baseline
   swiftkv ranking evaluate out/ranker out/traces                              # Kendall's tau, held-out
+  swiftkv ranking evaluate out/ranker-ngram out/heldout --split all --with out/ranker-head   # and combined
   swiftkv ranking calibrate MODEL --out out/cost.json                              # transformers step times
   swiftkv ranking calibrate --server http://127.0.0.1:8000 --out out/cost-vllm.json  # a vLLM server's
   swiftkv ranking simulate out/ranker out/traces --rate 2,8,32 --policy fcfs,ltr,oracle --cost-model out/cost.json
@@ -151,6 +152,16 @@ def build_parser() -> ArgumentParser:
     add_model(p, "ranker", help="ranker directory (from `train`)")
     add_model(p, "traces", help="traces directory or JSONL")
     p.add_argument("--split", choices=["held-out", "all"], default="held-out")
+    p.add_argument(
+        "--with",
+        dest="combine_with",
+        type=existing_path,
+        action="append",
+        default=[],
+        metavar="RANKER",
+        help="another ranker to score the same prompts (those none was trained on) and combine with, by the mean "
+        "of standardized scores (repeatable)",
+    )
     add_out(p, help="also write the result as JSON (the table's numbers and more)", required=False)
 
     p = sub.add_parser(
@@ -299,7 +310,7 @@ def _command(args) -> str | None:
     if args.command == "evaluate":
         from .train import evaluate_ranker, evaluation_table
 
-        result = evaluate_ranker(args.ranker, args.traces, args.split)
+        result = evaluate_ranker(args.ranker, args.traces, args.split, combine_with=tuple(args.combine_with))
         if args.out:
             write_json_atomic(args.out, result)
         return evaluation_table(result) + (f"\nwrote {args.out}" if args.out else "")

@@ -51,23 +51,30 @@ def kendall_tau(scores: Sequence[float] | np.ndarray, labels: Sequence[float] | 
 
 
 def kendall_tau_interval(
-    scores: Sequence[float] | np.ndarray, labels: Sequence[float] | np.ndarray, resamples: int = 1000
+    scores: Sequence[float] | np.ndarray,
+    labels: Sequence[float] | np.ndarray,
+    resamples: int = 1000,
+    minus: Sequence[float] | np.ndarray | None = None,
 ) -> tuple[float, float]:
     """95% bootstrap interval of :func:`kendall_tau`: prompts resampled with their labels (paired), seeded, so
     that two rankers scored on the same prompts get comparable intervals; NaN for fewer than two prompts (as
-    the tau itself)."""
+    the tau itself).  With ``minus`` (another ranker's scores of the same prompts): the interval of the
+    difference ``tau(scores) - tau(minus)``, both on each resample, which is far narrower than the two
+    intervals side by side."""
     from scipy.stats import bootstrap
 
     if len(scores) < 2:
         return float("nan"), float("nan")
 
-    def tau(s: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:  # a tau per resample (row; axis=-1)
-        rows = zip(np.atleast_2d(s), np.atleast_2d(y), strict=True)
-        return np.array([kendall_tau(a, b) for a, b in rows])
+    def tau(s: np.ndarray, y: np.ndarray, *other: np.ndarray, axis: int = -1) -> np.ndarray:  # one per row
+        rows = zip(np.atleast_2d(s), np.atleast_2d(y), *(np.atleast_2d(o) for o in other), strict=True)
+        return np.array([kendall_tau(a, b) - (kendall_tau(o[0], b) if o else 0.0) for a, b, *o in rows])
 
+    data = [np.asarray(scores, np.float64), np.asarray(labels, np.float64)]
+    data += [] if minus is None else [np.asarray(minus, np.float64)]
     result = bootstrap(
-        (np.asarray(scores, np.float64), np.asarray(labels, np.float64)), tau, paired=True, vectorized=True,
-        n_resamples=resamples, method="percentile", rng=np.random.default_rng(0),
+        tuple(data), tau, paired=True, vectorized=True, n_resamples=resamples, method="percentile",
+        rng=np.random.default_rng(0),
     )  # fmt: skip
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 

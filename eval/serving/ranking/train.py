@@ -330,18 +330,32 @@ def load_ranker(
     return Ranker(ranker_dir, target_model or read_meta(traces_path).get("model"))
 
 
+def combined_scores(scores: list[np.ndarray]) -> np.ndarray:
+    """The mean of each ranker's scores standardized over the same prompts: a combination that needs no labels
+    (so it cannot fit the held-out ones) and no common unit (a head's ListMLE scores and an ngram's log lengths
+    differ in scale)."""
+    return np.mean([(s - s.mean()) / max(float(s.std()), 1e-12) for s in map(np.asarray, scores)], axis=0)
+
+
 def evaluate_ranker(
     ranker_dir: str | os.PathLike,
     traces_path: str | os.PathLike,
     split: str = "held-out",
     target_model: str | os.PathLike | None = None,
+    combine_with: tuple[str | os.PathLike, ...] = (),
 ) -> dict:
     """Kendall's tau of the ranker on held-out prompts (with a 95% bootstrap interval against the raw lengths),
     beside the prompt-length heuristic and the oracle.
 
     The oracle is tie-free (as any real predictor is), so its tau is below 1 when many replies hit the cap.
+    With ``combine_with`` (other rankers, e.g. a swiftkv-head beside an ngram): only prompts none of them was
+    trained on, each one's tau, and that of :func:`combined_scores` with the paired interval of its gain over
+    this ranker.
     """
     traces = held_out_traces(ranker_dir, traces_path, split)
+    for other in combine_with:
+        unseen = {t.prompt for t in held_out_traces(other, traces_path, "all")}
+        traces = [t for t in traces if t.prompt in unseen]
     ranker = load_ranker(ranker_dir, traces_path, target_model)
     labels = length_labels([t.output_len for t in traces], ranker.spec.label_cap, ranker.spec.label_bin)
     scores = ranker.score([t.prompt for t in traces], progress=True)
@@ -352,6 +366,27 @@ def evaluate_ranker(
     if "one_feature" in info:
         one = one_feature_scores(info["one_feature"], prompt_lens)
         baseline = {"one_feature_tau": kendall_tau(one, labels), "one_feature_tau_raw": kendall_tau(one, raw)}
+    combined = {}
+    if combine_with:
+        others = [load_ranker(o, traces_path, target_model) for o in combine_with]
+        other_scores = [o.score([t.prompt for t in traces], progress=True) for o in others]
+        mix = combined_scores([scores, *other_scores])
+        combined = {
+            "others": [
+                {
+                    "ranker": str(d),
+                    "kind": o.spec.kind,
+                    "objective": o.spec.objective,
+                    "kendall_tau": kendall_tau(s, labels),
+                    "kendall_tau_raw": kendall_tau(s, raw),
+                }
+                for d, o, s in zip(combine_with, others, other_scores, strict=True)
+            ],  # fmt: skip
+            "combined_tau": kendall_tau(mix, labels),
+            "combined_tau_raw": kendall_tau(mix, raw),
+            "combined_tau_raw_95": kendall_tau_interval(mix, raw),
+            "combined_gain_raw_95": kendall_tau_interval(mix, raw, minus=scores),
+        }
     return {
         "ranker": str(ranker_dir),
         "kind": ranker.spec.kind,
@@ -371,6 +406,7 @@ def evaluate_ranker(
         "tie_free_oracle_tau": tau_ceiling(labels),
         "tie_free_oracle_tau_raw": tau_ceiling(raw),
         "capped_fraction": float(np.mean([t.output_len >= ranker.spec.label_cap for t in traces])),
+        **combined,
     }
 
 
@@ -391,11 +427,26 @@ def evaluation_table(result: dict) -> str:
         f"| predictor | Kendall's τ, raw lengths | τ, labels (cap {result['label_cap']}, bin {result['label_bin']}) |",
         "|---|---|---|",
     ]
+    for other in result.get("others", []):
+        rows.insert(-3, (f"ranker {other['ranker']} ({other['kind']}, {other['objective']})", other))
+    if "others" in result:
+        rows.insert(-3, ("combined: mean of the rankers' standardized scores", "combined_tau"))
     for name, key in rows:
-        if key in result:  # rankers trained before the one-feature baseline existed lack it
-            low_high = result.get(key + "_raw_95")
+        source = key if isinstance(key, dict) else result
+        key = "kendall_tau" if isinstance(key, dict) else key
+        if key in source:  # rankers trained before the one-feature baseline existed lack it
+            low_high = source.get(key + "_raw_95")
             interval = f" [{low_high[0]:.3f}, {low_high[1]:.3f}]" if low_high else ""
-            lines.append(f"| {name} | {result[key + '_raw']:.3f}{interval} | {result[key]:.3f} |")
+            lines.append(f"| {name} | {source[key + '_raw']:.3f}{interval} | {source[key]:.3f} |")
+    if "others" in result:
+        gain, (low, high) = (
+            result["combined_tau_raw"] - result["kendall_tau_raw"],
+            result["combined_gain_raw_95"],
+        )
+        lines += [
+            "",
+            f"combined minus the first ranker, paired over the same prompts: {gain:+.3f} [{low:+.3f}, {high:+.3f}]",
+        ]
     return "\n".join(lines)
 
 

@@ -162,6 +162,47 @@ def test_train_on_every_trace_then_evaluate_others(sharegpt_file, tokenizer_dir,
     assert err.startswith("error: ranker") and "--split all" in err and len(err.splitlines()) == 1
 
 
+def test_evaluate_with_another_ranker_scores_prompts_neither_saw(
+    sharegpt_file, tokenizer_dir, tmp_path, capsys
+):
+    """``evaluate --with``: the second ranker, trained on other traces and on half of the first one's held-out
+    prompts, takes those out of the evaluation; its tau and the combination's are reported on the prompts left,
+    and the combination's gain over the first ranker comes with its paired interval."""
+    from helpers.ranking import write_sharegpt
+
+    from eval.serving.ranking.listmle import kendall_tau
+    from eval.serving.ranking.train import combined_scores, held_out_traces
+
+    traces = tmp_path / "lengths"
+    sharegpt_lengths(tokenizer_dir, traces, data=sharegpt_file, records="all")
+    first = train_ranker(traces, tmp_path / "first", TrainConfig(kind="ngram", ngram_bits=14, ngram_edge=4))
+    alone = held_out_traces(first, traces)
+    sharegpt_lengths(tokenizer_dir, tmp_path / "other", data=write_sharegpt(tmp_path / "o.jsonl", seed=1))
+    mixed = tmp_path / "mixed.jsonl"
+    rows = [
+        {"prompt": t.prompt, "output_len": t.output_len} for t in alone[::2] + load_traces(tmp_path / "other")
+    ]
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = TrainConfig(
+        kind="ngram", ngram_bits=12, ngram_edge=2, held_out=0, target_model=str(tokenizer_dir)
+    )
+    second = train_ranker(mixed, tmp_path / "second", config)
+    result = evaluate_ranker(first, traces, combine_with=(second,))
+    kept = alone[1::2]
+    assert result["n"] == len(kept) > 20
+    raw = [-t.output_len for t in kept]
+    a, b = (Ranker(r).score([t.prompt for t in kept]) for r in (first, second))
+    assert result["kendall_tau_raw"] == pytest.approx(kendall_tau(a, raw))
+    assert result["others"][0]["kendall_tau_raw"] == pytest.approx(kendall_tau(b, raw))
+    assert result["combined_tau_raw"] == pytest.approx(kendall_tau(combined_scores([a, b]), raw))
+    low, high = result["combined_gain_raw_95"]
+    assert low <= result["combined_tau_raw"] - result["kendall_tau_raw"] <= high
+    assert main(["evaluate", str(first), str(traces), "--with", str(second)]) == 0
+    table = capsys.readouterr().out
+    assert f"ranker {second} (ngram, regression)" in table and "combined: mean of the rankers'" in table
+    assert "combined minus the first ranker, paired over the same prompts: " in table
+
+
 def test_pairwise_objective_ranks_and_keeps_log_length_units(tokenizer_dir, tmp_path):
     """The gap-weighted pairwise refinement orders held-out prompts at least as well as the ridge it starts from,
     and its predictions stay in log-length units (what the proxy's priority and aging read)."""

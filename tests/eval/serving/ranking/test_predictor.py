@@ -156,6 +156,43 @@ def test_tau_interval_resamples_prompts_with_their_labels():
     assert all(math.isnan(v) for v in (kendall_tau([1.0], [2.0]), *kendall_tau_interval([1.0], [2.0])))
 
 
+def test_tau_difference_interval_is_paired():
+    """The gain of one ranker over another on the same prompts: against a plain loop of paired draws; a ranker
+    against itself gains exactly 0, and a clean one over a noisy one gains with an interval far narrower than
+    the two rankers' intervals side by side."""
+    rng = np.random.default_rng(2)
+    lengths = rng.lognormal(5, 1, 300)
+    truth = -np.log(lengths)
+    clean, noisy = truth + rng.normal(0, 0.8, 300), truth + rng.normal(0, 1.6, 300)
+    draws = rng.integers(0, 300, (1000, 300))
+    loop = np.percentile(
+        [kendall_tau(clean[d], -lengths[d]) - kendall_tau(noisy[d], -lengths[d]) for d in draws], [2.5, 97.5]
+    )
+    low, high = kendall_tau_interval(clean, -lengths, minus=noisy)
+    np.testing.assert_allclose([low, high], loop, atol=0.015)
+    gain = kendall_tau(clean, -lengths) - kendall_tau(noisy, -lengths)
+    assert 0 < low < gain < high
+    side_by_side = np.subtract(
+        kendall_tau_interval(clean, -lengths), kendall_tau_interval(noisy, -lengths)[::-1]
+    )
+    assert high - low < 0.8 * (side_by_side[1] - side_by_side[0])
+    assert kendall_tau_interval(noisy, -lengths, minus=noisy) == pytest.approx((0.0, 0.0))
+
+
+def test_combined_scores_ignore_each_rankers_unit_and_beat_either():
+    """Two rankers with independent errors, one scoring in units a thousand times the other's: the mean of their
+    standardized scores does not depend on the units and ranks better than either alone."""
+    from eval.serving.ranking.train import combined_scores
+
+    rng = np.random.default_rng(3)
+    truth = rng.normal(size=2000)
+    a, b = truth + rng.normal(size=2000), 1000 * (truth + rng.normal(size=2000)) + 5
+    mix = combined_scores([a, b])
+    np.testing.assert_allclose(mix, combined_scores([a, b / 1000]), atol=1e-9)
+    np.testing.assert_allclose(mix, ((a - a.mean()) / a.std() + (b - b.mean()) / b.std()) / 2)
+    assert kendall_tau(mix, truth) > max(kendall_tau(a, truth), kendall_tau(b, truth)) + 0.03
+
+
 def test_features_equal_full_model_hidden_state_and_serving_path(tiny_model, synthetic_traces):
     from transformers import AutoModel
 
