@@ -233,7 +233,6 @@ def measure(args, work: Path, save=lambda runs, meta: None, done=(), run_meta=No
               "--scheduling-policy", "priority", "--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
     ranker = Ranker(args.ranker)
-    runs: list[dict] = []
     with (
         bs.serving("priority", args.model, engine, work, bs.server_env(work)) as server,
         contextlib.ExitStack() as stack,
