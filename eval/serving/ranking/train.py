@@ -381,7 +381,7 @@ def evaluate_ranker(
                     "kendall_tau_raw": kendall_tau(s, raw),
                 }
                 for d, o, s in zip(combine_with, others, other_scores, strict=True)
-            ],  # fmt: skip
+            ],
             "combined_tau": kendall_tau(mix, labels),
             "combined_tau_raw": kendall_tau(mix, raw),
             "combined_tau_raw_95": kendall_tau_interval(mix, raw),
