@@ -414,11 +414,18 @@ def evaluation_table(result: dict) -> str:
     """The taus of :func:`evaluate_ranker` as a markdown table: the ranker beside the two baselines it must
     beat (shortest prompt first; the one-feature regression on prompt length) and the tie-free ceiling,
     against the raw reply lengths and against the capped, binned training labels."""
-    rows = [
-        (f"ranker ({result['kind']}, {result['objective']})", "kendall_tau"),
-        ("shortest prompt first", "prompt_len_tau"),
-        ("one-feature regression on prompt length", "one_feature_tau"),
-        ("tie-free oracle (ceiling)", "tie_free_oracle_tau"),
+    others = result.get("others", [])
+    rows = [  # (name, where its taus are, their key)
+        (f"ranker ({result['kind']}, {result['objective']})", result, "kendall_tau"),
+        *((f"ranker {o['ranker']} ({o['kind']}, {o['objective']})", o, "kendall_tau") for o in others),
+        *(
+            (("combined: mean of the rankers' standardized scores", result, "combined_tau"),)
+            if others
+            else ()
+        ),
+        ("shortest prompt first", result, "prompt_len_tau"),
+        ("one-feature regression on prompt length", result, "one_feature_tau"),
+        ("tie-free oracle (ceiling)", result, "tie_free_oracle_tau"),
     ]
     lines = [
         f"{result['traces']} ({result['split']}): {result['n']} prompts; ranker trained on "
@@ -427,18 +434,12 @@ def evaluation_table(result: dict) -> str:
         f"| predictor | Kendall's τ, raw lengths | τ, labels (cap {result['label_cap']}, bin {result['label_bin']}) |",
         "|---|---|---|",
     ]
-    for other in result.get("others", []):
-        rows.insert(-3, (f"ranker {other['ranker']} ({other['kind']}, {other['objective']})", other))
-    if "others" in result:
-        rows.insert(-3, ("combined: mean of the rankers' standardized scores", "combined_tau"))
-    for name, key in rows:
-        source = key if isinstance(key, dict) else result
-        key = "kendall_tau" if isinstance(key, dict) else key
+    for name, source, key in rows:
         if key in source:  # rankers trained before the one-feature baseline existed lack it
             low_high = source.get(key + "_raw_95")
             interval = f" [{low_high[0]:.3f}, {low_high[1]:.3f}]" if low_high else ""
             lines.append(f"| {name} | {source[key + '_raw']:.3f}{interval} | {source[key]:.3f} |")
-    if "others" in result:
+    if others:
         gain, (low, high) = (
             result["combined_tau_raw"] - result["kendall_tau_raw"],
             result["combined_gain_raw_95"],
