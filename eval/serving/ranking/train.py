@@ -418,11 +418,10 @@ def evaluation_table(result: dict) -> str:
     rows = [  # (name, where its taus are, their key)
         (f"ranker ({result['kind']}, {result['objective']})", result, "kendall_tau"),
         *((f"ranker {o['ranker']} ({o['kind']}, {o['objective']})", o, "kendall_tau") for o in others),
-        *(
-            (("combined: mean of the rankers' standardized scores", result, "combined_tau"),)
-            if others
-            else ()
-        ),
+    ]
+    if others:
+        rows.append(("combined: mean of the rankers' standardized scores", result, "combined_tau"))
+    rows += [
         ("shortest prompt first", result, "prompt_len_tau"),
         ("one-feature regression on prompt length", result, "one_feature_tau"),
         ("tie-free oracle (ceiling)", result, "tie_free_oracle_tau"),
